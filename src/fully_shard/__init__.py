@@ -1,0 +1,41 @@
+"""fully_shard: fully sharded data parallelism (ZeRO-3) for PyTorch, in the FSDP2 style.
+
+Example:
+    >>> from fully_shard import fully_shard
+    >>> for block in model.layers:  # doctest: +SKIP
+    ...     fully_shard(block)
+    >>> fully_shard(model)  # doctest: +SKIP
+"""
+
+from .api import fully_shard
+from .collectives import Comm, CommRecord, CountingComm, TorchComm
+from .errors import (
+    FullyShardError,
+    FullyShardNotImplementedError,
+    FullyShardStateError,
+    FullyShardTypeError,
+    FullyShardValueError,
+)
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "Comm",
+    "CommRecord",
+    "CountingComm",
+    "FSDPModule",
+    "FullyShardError",
+    "FullyShardNotImplementedError",
+    "FullyShardStateError",
+    "FullyShardTypeError",
+    "FullyShardValueError",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "TorchComm",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -1,0 +1,358 @@
+"""``fully_shard()``: validate every argument, then shard the parameters and install the hooks.
+
+Nothing is changed until every check has passed, so a call that raises leaves the module
+exactly as it was and can be retried with valid arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .collectives import TorchComm
+from .errors import (
+    FullyShardNotImplementedError,
+    FullyShardTypeError,
+    FullyShardValueError,
+)
+from .group import GroupConfig, ParamGroup
+from .hooks import FSDPState
+from .mesh import MeshInfo, default_mesh, mesh_info
+from .module import FSDPModule
+from .param import ShardedParam
+from .policies import MixedPrecisionPolicy, OffloadPolicy
+
+M = TypeVar("M", bound=nn.Module)
+
+
+@dataclass(frozen=True)
+class _ParamPlan:
+    """What the checks decided for one parameter, before anything is changed."""
+
+    param: nn.Parameter
+    fqn: str
+    slots: list[tuple[nn.Module, str]]
+    shard_dim: int
+
+
+@functools.cache
+def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
+    # One FSDP subclass per original class, so isinstance(m, cls) still holds.
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+
+
+@overload
+def fully_shard(
+    module: M,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> M: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> list[nn.Module]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place, and return it.
+
+    Call it on each block first, then on the root: each call owns the parameters of its
+    module(s) that no earlier call owns, and becomes one communication group (one all-gather
+    before its forward and backward, one reduce-scatter of its gradients). Afterwards every
+    owned parameter is an ``nn.Parameter`` wrapping a ``DTensor`` placed ``Shard(0)`` (the
+    rows split like ``torch.chunk``); during forward and backward the module sees plain full
+    tensors. The module's class becomes a subclass of :class:`FSDPModule`.
+
+    Args:
+        module: a module, or a list of modules that form one group.
+        mesh: a 1-D mesh (shard) or 2-D mesh (replicate, shard: HSDP). ``None``: a 1-D mesh
+            over the default process group.
+        reshard_after_forward: ``True`` frees the gathered parameters after forward and
+            gathers them again for backward (less memory, one more all-gather); ``False``
+            keeps them until after backward; ``None``: ``False`` for the root, ``True`` for
+            the others. An int (reshard to a smaller world) is validated but not supported yet.
+        shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use, or ``None`` for
+            ``Shard(0)``.
+        mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
+        offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
+        ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
+
+    Returns:
+        ``module``, its class swapped to an ``FSDPModule`` subclass.
+
+    Example:
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> mesh = init_device_mesh("cpu", (world_size,))  # doctest: +SKIP
+        >>> for block in model.layers:  # doctest: +SKIP
+        ...     fully_shard(block, mesh=mesh)
+        >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
+        >>> optim = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
+    """
+    modules = _check_modules(module)
+    info = _resolve_mesh(mesh)
+    _check_reshard_after_forward(reshard_after_forward, info)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise FullyShardTypeError(
+            f"shard_placement_fn must be a callable (param -> Shard | None), got "
+            f"{type(shard_placement_fn).__name__}"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise FullyShardTypeError(
+            f"mp_policy must be a MixedPrecisionPolicy (or a subclass), got "
+            f"{type(mp_policy).__name__}; e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise FullyShardTypeError(
+            f"offload_policy must be an OffloadPolicy (or a subclass such as CPUOffloadPolicy), "
+            f"got {type(offload_policy).__name__}"
+        )
+    ignored = _check_ignored(ignored_params, modules)
+    plans = _plan_params(modules, ignored, shard_placement_fn)
+    _check_params(plans, info, mp_policy)
+
+    # -- every check passed: from here on the module changes --------------------------------
+    shard_device = offload_policy.shard_device(info.device)
+    pin = offload_policy.use_pinned_memory() and torch.cuda.is_available()
+    params = [
+        ShardedParam(
+            plan.param,
+            plan.slots,
+            plan.fqn,
+            plan.shard_dim,
+            info,
+            shard_device,
+            pin,
+            mp_policy.compute_dtype(plan.param.dtype),
+        )
+        for plan in plans
+    ]
+    for p in params:
+        p.register(p.sharded_param)
+    config = GroupConfig(
+        reshard_after_forward=reshard_after_forward if isinstance(reshard_after_forward, bool)
+        else None,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+    )
+    group = ParamGroup(params, modules, info, config, TorchComm())
+    state = FSDPState(group, modules, weakref.WeakSet(plan.param for plan in plans))
+    state.install()
+    for m in modules:
+        m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _check_modules(module: object) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        modules: tuple[nn.Module, ...] = (module,)
+    elif isinstance(module, (list, tuple)):
+        if not module:
+            raise FullyShardValueError(
+                "fully_shard got an empty list of modules; pass a module or a non-empty list"
+            )
+        for i, m in enumerate(module):
+            if not isinstance(m, nn.Module):
+                raise FullyShardTypeError(
+                    f"fully_shard got a list whose item {i} is a {type(m).__name__}, not an "
+                    "nn.Module; every item of the list must be a module"
+                )
+        modules = tuple(module)
+        if len({id(m) for m in modules}) != len(modules):
+            raise FullyShardValueError("fully_shard got the same module twice in one list")
+    else:
+        raise FullyShardTypeError(
+            f"fully_shard expects an nn.Module or a list of nn.Modules, got "
+            f"{type(module).__name__}"
+        )
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise FullyShardValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; each module can "
+                "be sharded once (to change options use the set_* methods)"
+            )
+    return modules
+
+
+def _resolve_mesh(mesh: object) -> MeshInfo:
+    return mesh_info(default_mesh() if mesh is None else mesh)
+
+
+def _check_reshard_after_forward(value: object, info: MeshInfo) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise FullyShardTypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    world = info.shard_size
+    if value < 1 or value > world or world % value != 0:
+        raise FullyShardValueError(
+            f"reshard_after_forward={value} must divide the shard world size {world} "
+            f"(1 <= n <= {world}); pass True, False or a divisor of {world}"
+        )
+    raise FullyShardNotImplementedError(
+        f"reshard_after_forward={value} (resharding to a smaller world after forward) is not "
+        "supported yet; pass True to free after forward or False to keep parameters gathered"
+    )
+
+
+def _check_ignored(
+    ignored_params: object, modules: tuple[nn.Module, ...]
+) -> set[nn.Parameter]:
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
+        raise FullyShardTypeError(
+            f"ignored_params must be a set of nn.Parameters, got {type(ignored_params).__name__}"
+        )
+    ignored = set()
+    owned = {id(p) for m in modules for p in m.parameters()}
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter):
+            raise FullyShardTypeError(
+                f"ignored_params must hold nn.Parameters, got a {type(p).__name__}"
+            )
+        if id(p) not in owned:
+            raise FullyShardValueError(
+                f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not a "
+                "parameter of the module(s) being sharded"
+            )
+        ignored.add(p)
+    return ignored
+
+
+def _owned_elsewhere(modules: tuple[nn.Module, ...]) -> tuple[set[int], weakref.WeakSet[nn.Parameter]]:
+    """Parameters that earlier ``fully_shard`` calls on submodules own (and their originals)."""
+    owned: set[int] = set()
+    originals: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, FSDPModule):
+                state = m._fsdp_state
+                for p in state.group.params:
+                    owned.add(id(p.sharded_param))
+                    if p.unsharded_param is not None:
+                        owned.add(id(p.unsharded_param))
+                originals |= state.original_params
+    return owned, originals
+
+
+def _plan_params(
+    modules: tuple[nn.Module, ...],
+    ignored: set[nn.Parameter],
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> list[_ParamPlan]:
+    owned, originals = _owned_elsewhere(modules)
+    ignored_ids = {id(p) for p in ignored}
+    found: dict[int, tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]] = {}
+    seen_slots: set[tuple[int, str]] = set()
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for mod_name, m in top.named_modules(remove_duplicate=False):
+            for name, p in m._parameters.items():
+                if p is None or id(p) in owned or id(p) in ignored_ids:
+                    continue
+                if (id(m), name) in seen_slots:
+                    continue
+                seen_slots.add((id(m), name))
+                fqn = prefix + (f"{mod_name}.{name}" if mod_name else name)
+                if p in originals:
+                    raise FullyShardValueError(
+                        f"parameter {fqn!r} is tied to a parameter that an earlier fully_shard "
+                        "call on a submodule already sharded; tied parameters must be in one "
+                        "group: do not wrap the submodule separately (leave it to this call)"
+                    )
+                if id(p) not in found:
+                    found[id(p)] = (p, fqn, [])
+                found[id(p)][2].append((m, name))
+    plans = []
+    for p, fqn, slots in found.values():
+        plans.append(_ParamPlan(p, fqn, slots, _shard_dim(p, fqn, shard_placement_fn)))
+    return plans
+
+
+def _shard_dim(
+    p: nn.Parameter, fqn: str, shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+) -> int:
+    if isinstance(p, DTensor):
+        raise FullyShardNotImplementedError(
+            f"parameter {fqn!r} is already a DTensor (tensor parallel?); composing fully_shard "
+            "with tensor parallelism is not supported yet"
+        )
+    if p.dim() == 0:
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape it "
+            "to (1,) or pass it in ignored_params"
+        )
+    placement = None if shard_placement_fn is None else shard_placement_fn(p)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise FullyShardTypeError(
+            f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; it must return "
+            "a torch.distributed.tensor.Shard(dim) or None"
+        )
+    dim = placement.dim
+    if not -p.dim() <= dim < p.dim():
+        raise FullyShardValueError(
+            f"shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of shape "
+            f"{tuple(p.shape)}; the dim must be in [{-p.dim()}, {p.dim() - 1}]"
+        )
+    return dim % p.dim()
+
+
+def _check_params(plans: list[_ParamPlan], info: MeshInfo, mp_policy: MixedPrecisionPolicy) -> None:
+    devices = {plan.param.device for plan in plans}
+    if len(devices) > 1:
+        listing = ", ".join(f"{plan.fqn}@{plan.param.device}" for plan in plans[:6])
+        raise FullyShardValueError(
+            f"the parameters of one fully_shard group are on different devices ({listing}); "
+            "move the module to one device (or the meta device) first"
+        )
+    for device in devices:
+        if device.type not in ("meta", "cpu", info.device.type):
+            raise FullyShardValueError(
+                f"parameters are on {device} but the mesh is on {info.mesh.device_type}; "
+                f"build the mesh on '{device.type}' or move the module to {info.device}"
+            )
+    dtypes = {mp_policy.compute_dtype(plan.param.dtype) for plan in plans}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{plan.fqn}:{plan.param.dtype}" for plan in plans[:6])
+        raise FullyShardValueError(
+            f"the parameters of one fully_shard group have different dtypes ({listing}) and "
+            "one all-gather needs one dtype; convert the module to one dtype, set "
+            "MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls"
+        )

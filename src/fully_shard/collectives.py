@@ -1,0 +1,182 @@
+"""Communication: the ``Comm`` interface, byte accounting, and flat-buffer packing.
+
+Every collective the engine issues goes through a ``Comm``: a three-method object whose
+default, :class:`TorchComm`, calls ``torch.distributed``. Tests and benchmarks wrap it in a
+:class:`CountingComm` to count bytes and check dtypes without patching ``torch.distributed``.
+
+The packing functions are pure: they move bytes between per-parameter tensors and one flat
+buffer per group, laid out rank by rank, so that a group needs exactly one all-gather and one
+reduce-scatter::
+
+    all-gather input   (total,)        = [p0 shard | p1 shard | ...]            (this rank)
+    all-gather output  (W * total,)    = [rank 0's input | rank 1's input | ...]
+    reduce-scatter in  (W * total,)    = [p0 chunk 0 | p1 chunk 0 | ... | p0 chunk 1 | ...]
+    reduce-scatter out (total,)        = this rank's summed chunk of every parameter
+
+``total`` is the sum of the parameters' padded shard sizes, so every rank sends the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Comm(Protocol):
+    """The collectives the engine needs. Each returns a waitable work handle when ``async_op``.
+
+    Example:
+        >>> from fully_shard import CountingComm, TorchComm
+        >>> comm = CountingComm(TorchComm())
+        >>> model.set_comm(comm)  # doctest: +SKIP
+    """
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        """Gather every rank's ``input`` into ``output`` (W times larger), rank by rank."""
+        ...
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        """Sum ``input`` (W times larger) over ranks; rank r keeps the r-th chunk in ``output``."""
+        ...
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        """Sum ``tensor`` over the ranks of ``group``, in place."""
+        ...
+
+
+class TorchComm:
+    """The default ``Comm``: ``torch.distributed`` on the mesh's process groups.
+
+    Example:
+        >>> comm = TorchComm()
+    """
+
+    def __init__(self) -> None:
+        # torch 2.13 renamed the flat-tensor collectives and deprecated the old names; older
+        # releases (2.6 ...) only have the old ones.
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = (
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        )
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        return self._all_gather(output, input, group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        return self._reduce_scatter(  # type: ignore[no-any-return]
+            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as seen by :class:`CountingComm`: op name, dtype and bytes sent by us.
+
+    ``nbytes`` is the size of this rank's input: the shard for an all-gather, the full flat
+    gradient buffer for a reduce-scatter, the tensor for an all-reduce.
+    """
+
+    op: str
+    dtype: torch.dtype
+    numel: int
+    nbytes: int
+
+
+@dataclass
+class CountingComm:
+    """A ``Comm`` that records every collective it forwards to ``inner``.
+
+    Attributes:
+        inner: the ``Comm`` that does the work.
+        records: one :class:`CommRecord` per collective, in issue order.
+
+    Example:
+        >>> from fully_shard import CountingComm, TorchComm
+        >>> comm = CountingComm(TorchComm())
+        >>> comm.bytes_by_op()
+        {}
+    """
+
+    inner: Comm = field(default_factory=TorchComm)
+    records: list[CommRecord] = field(default_factory=list)
+
+    def _record(self, op: str, t: torch.Tensor) -> None:
+        self.records.append(CommRecord(op, t.dtype, t.numel(), t.numel() * t.element_size()))
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        self._record("all_gather", input)
+        return self.inner.all_gather(output, input, group, async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        self._record("reduce_scatter", input)
+        return self.inner.reduce_scatter(output, input, group, async_op)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        self._record("all_reduce", tensor)
+        return self.inner.all_reduce(tensor, group, async_op)
+
+    def bytes_by_op(self) -> dict[str, int]:
+        """Total bytes per op name since the last :meth:`reset`."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.op] = out.get(r.op, 0) + r.nbytes
+        return out
+
+    def count_by_op(self) -> dict[str, int]:
+        """Number of collectives per op name since the last :meth:`reset`."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+    def reset(self) -> None:
+        self.records.clear()
+
+
+def copy_in(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy each shard into its slot of the all-gather input, casting and moving as needed."""
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src, non_blocking=True)
+
+
+def copy_out(
+    gathered: torch.Tensor, world: int, split_numels: Sequence[int], outs: Sequence[torch.Tensor]
+) -> None:
+    """Scatter the all-gather output into each parameter's ``(W, padded_numel)`` storage.
+
+    ``gathered`` is ``(W * total,)``; viewed ``(W, total)``, column block i belongs to
+    parameter i. One ``split_with_sizes_copy`` moves them all.
+    """
+    torch.split_with_sizes_copy(gathered.view(world, -1), list(split_numels), dim=1, out=list(outs))
+
+
+def pack_for_reduce_scatter(views: Sequence[torch.Tensor], world: int) -> torch.Tensor:
+    """Lay out ``(W, padded_numel_i)`` gradient views rank by rank: ``(W * total,)``."""
+    if len(views) == 1:
+        return views[0].reshape(-1).contiguous()
+    return torch.cat(list(views), dim=1).view(-1)

@@ -1,0 +1,253 @@
+"""``ParamGroup``: the parameters of one ``fully_shard`` call, gathered and reduced together.
+
+A group is the unit of communication: one all-gather brings all its parameters, one
+reduce-scatter sends all its gradients. It is always in exactly one :class:`GroupState`; every
+change goes through :meth:`ParamGroup._transition`, which checks the table below.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import Comm, copy_in, copy_out, pack_for_reduce_scatter
+from .errors import FullyShardStateError
+from .mesh import MeshInfo
+from .param import ShardedParam
+from .policies import MixedPrecisionPolicy, OffloadPolicy
+
+
+class GroupState(enum.Enum):
+    """Where a group's parameters are: sharded, being gathered, or gathered."""
+
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather issued, not yet waited for and copied out
+    UNSHARDED = "unsharded"
+
+
+_TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    GroupState.SHARDED: frozenset({GroupState.UNSHARDING}),
+    GroupState.UNSHARDING: frozenset({GroupState.UNSHARDED}),
+    GroupState.UNSHARDED: frozenset({GroupState.SHARDED}),
+}
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """The options of one group; ``FSDPModule.set_*`` replaces it with ``dataclasses.replace``.
+
+    Attributes:
+        reshard_after_forward: free the unsharded parameters after forward (and gather again
+            for backward). ``None`` until the root's lazy init resolves it: ``False`` for the
+            root, ``True`` for the others.
+        reshard_after_backward: free them after backward. ``False`` keeps them gathered for
+            the next forward (useful between gradient-accumulation micro-batches; the copies
+            go stale once the optimizer steps).
+        requires_gradient_sync: reduce-scatter gradients in backward. ``False`` keeps the
+            unsharded gradients locally until a backward with sync on.
+        mp_policy: dtypes for all-gather, compute and reduction.
+        offload_policy: where the sharded state lives.
+    """
+
+    reshard_after_forward: bool | None = None
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
+
+
+@dataclass
+class _PendingReduce:
+    work: dist.Work | None
+    output: torch.Tensor  # (total,) this rank's summed chunk, in the reduce dtype
+    input: torch.Tensor  # (W * total,) kept alive until the collective is done
+    params: list[ShardedParam]
+    offsets: list[int]
+
+
+class ParamGroup:
+    """The parameters one ``fully_shard`` call owns, and their shared all-gather/reduce buffers.
+
+    Example:
+        >>> group = model._fsdp_state.group  # doctest: +SKIP
+        >>> group.state, len(group.params)  # doctest: +SKIP
+        (<GroupState.SHARDED: 'sharded'>, 4)
+    """
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        modules: tuple[nn.Module, ...],
+        info: MeshInfo,
+        config: GroupConfig,
+        comm: Comm,
+    ) -> None:
+        self.params = params
+        self.modules = modules
+        self.info = info
+        self.config = config
+        self.comm = comm
+        self.state = GroupState.SHARDED
+        self.compute_dtype = params[0].compute_dtype if params else torch.float32
+        self._split_numels = [p.padded_numel for p in params]
+        self._total = sum(self._split_numels)
+        self._ag_input: torch.Tensor | None = None  # (total,) persistent, padding kept zero
+        self._ag_slots: list[torch.Tensor] = []
+        self._unshard_work: dist.Work | None = None
+        self._ag_output: torch.Tensor | None = None  # (W * total,) only while UNSHARDING
+        self._all_dim0 = all(p.shard_dim == 0 for p in params)
+        self._pending_reduce: _PendingReduce | None = None
+
+    def __repr__(self) -> str:
+        names = ", ".join(p.fqn for p in self.params)
+        return f"ParamGroup([{names}], {self.state.name})"
+
+    def _transition(self, new: GroupState, call: str) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise FullyShardStateError(
+                f"rank {self.info.mesh.get_rank()}: {call} moved a parameter group from "
+                f"{self.state.name} to {new.name}, which is not a legal transition "
+                f"(group {self!r}); call reset_iter_state() on the root to recover"
+            )
+        self.state = new
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Adopt parameters ``_apply`` replaced and create the unsharded parameter objects."""
+        for p in self.params:
+            p.sync_with_module()
+            if p.local_shard.device.type == "meta":
+                raise FullyShardStateError(
+                    f"parameter {p.fqn!r} is still on the meta device at the first forward; "
+                    "call module.to_empty(device=...) and initialise the parameters "
+                    "(e.g. reset_parameters()) before running the model"
+                )
+            p.alloc_storage()
+            p.free_storage()
+
+    # -- unshard / reshard ------------------------------------------------------------------
+
+    def unshard(self, async_op: bool) -> None:
+        """Start gathering the full parameters (no-op unless SHARDED)."""
+        if self.state is not GroupState.SHARDED:
+            return
+        self._transition(GroupState.UNSHARDING, "unshard()")
+        if not self.params:
+            return
+        if self._ag_input is None:
+            self._ag_input = torch.zeros(
+                self._total, dtype=self.compute_dtype, device=self.info.device
+            )
+            flats = torch.split(self._ag_input, self._split_numels)
+            self._ag_slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
+        for p in self.params:
+            p.alloc_storage()
+        copy_in(self._ag_slots, [p.local_shard for p in self.params])
+        self._ag_output = torch.empty(
+            self._total * self.info.shard_size, dtype=self.compute_dtype, device=self.info.device
+        )
+        self._unshard_work = self.comm.all_gather(
+            self._ag_output, self._ag_input, self.info.shard_group, async_op
+        )
+
+    def wait_for_unshard(self) -> None:
+        """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
+        if self.state is not GroupState.UNSHARDING:
+            return
+        if self._unshard_work is not None:
+            self._unshard_work.wait()
+            self._unshard_work = None
+        gathered = self._ag_output
+        self._ag_output = None
+        if gathered is not None:
+            world = self.info.shard_size
+            if self._all_dim0:
+                views = [p.copy_out_view() for p in self.params]
+                copy_out(gathered, world, self._split_numels, [v for v in views if v is not None])
+            else:
+                blocks = torch.split(gathered.view(world, -1), self._split_numels, dim=1)
+                for p, block in zip(self.params, blocks, strict=True):
+                    p.copy_out(block)
+        for p in self.params:
+            p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
+        self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+
+    def reshard(self) -> None:
+        """Free the full parameters and show the sharded DTensors again (no-op if SHARDED)."""
+        if self.state is GroupState.SHARDED:
+            return
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()
+        for p in self.params:
+            p.free_storage()
+            p.register(p.sharded_param)
+        self._transition(GroupState.SHARDED, "reshard()")
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def reduce_grads(self) -> None:
+        """Issue the reduce-scatter of this backward's gradients, or keep them if sync is off."""
+        trainable = [p for p in self.params if p.requires_grad]
+        if not self.config.requires_gradient_sync:
+            for p in trainable:
+                p.keep_unsharded_grad()
+            return
+        self.finish_reduce()  # a reduction still in flight from an earlier backward
+        grads = [(p, p.take_unsharded_grad()) for p in trainable]
+        with_grad = [(p, g) for p, g in grads if g is not None]
+        if not with_grad:
+            return
+        reduce_dtype = self.config.mp_policy.reduce_dtype_for(with_grad[0][0].orig_dtype)
+        world = self.info.shard_size
+        views = [p.reduce_scatter_view(g, reduce_dtype) for p, g in with_grad]
+        flat_in = pack_for_reduce_scatter(views, world)  # (W * total,)
+        numels = [p.padded_numel for p, _ in with_grad]
+        output = torch.empty(sum(numels), dtype=reduce_dtype, device=flat_in.device)
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        work = self.comm.reduce_scatter(output, flat_in, self.info.shard_group, async_op=True)
+        self._pending_reduce = _PendingReduce(
+            work, output, flat_in, [p for p, _ in with_grad], offsets
+        )
+
+    def finish_reduce(self) -> None:
+        """Wait for the in-flight reduce-scatter and add the results into the sharded grads."""
+        pending = self._pending_reduce
+        if pending is None:
+            return
+        self._pending_reduce = None
+        if pending.work is not None:
+            pending.work.wait()
+        output = pending.output
+        replicate_group = self.info.replicate_group
+        if replicate_group is not None:
+            self.comm.all_reduce(output, replicate_group, async_op=False)
+        output.div_(self.info.dp_size)  # SUM over all data-parallel ranks -> mean, like DDP
+        with torch.no_grad():
+            for p, off in zip(pending.params, pending.offsets, strict=True):
+                p.accumulate_sharded_grad(p.local_grad_from(output[off : off + p.padded_numel]))
+
+    def has_pending_reduce(self) -> bool:
+        return self._pending_reduce is not None
+
+    def discard_iteration_state(self) -> None:
+        """After an exception: wait out collectives in flight, drop grads, free, reshard."""
+        for work in (self._unshard_work, None if self._pending_reduce is None else self._pending_reduce.work):
+            if work is not None:
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001 - the original failure is what matters
+                    pass
+        self._unshard_work = None
+        self._ag_output = None
+        self._pending_reduce = None
+        for p in self.params:
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+        if self.state is GroupState.UNSHARDING:
+            self.state = GroupState.UNSHARDED
+        self.reshard()

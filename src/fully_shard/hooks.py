@@ -1,0 +1,322 @@
+"""Runtime: the hooks that decide *when* a group gathers, frees and reduces.
+
+Per ``fully_shard`` call there is one :class:`FSDPState` (its group plus its place in the
+iteration). Hooks, in the order one training step meets them:
+
+1. forward pre-hook: the first one ever makes its module the root (lazy init: the root finds
+   every state below it); then unshard the group.
+2. forward post-hook: hook the outputs' gradients (pre-backward), reshard if the group reshards
+   after forward (or if no backward can follow).
+3. pre-backward (a hook on an output's gradient): unshard again; the first one in a backward
+   queues the root's end-of-backward callback.
+4. post-backward (a post-accumulate-grad hook on every trainable unsharded parameter): once all
+   of the group's gradients are in, reduce-scatter them and reshard.
+5. end of backward (root callback): finish groups whose post-backward never fired (unused
+   parameters, frozen groups), wait for the last reduce-scatter, reset for the next step.
+
+Activation checkpointing re-runs forwards inside backward; the hooks see ``in_backward`` and
+only make sure the parameters are gathered.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .errors import FullyShardStateError
+from .group import ParamGroup
+
+
+class Phase(enum.Enum):
+    """Where a group is in one training iteration."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+_PHASES: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.FORWARD, Phase.PRE_BACKWARD, Phase.POST_BACKWARD}),
+    Phase.FORWARD: frozenset({Phase.IDLE}),
+    Phase.PRE_BACKWARD: frozenset({Phase.POST_BACKWARD, Phase.IDLE}),
+    Phase.POST_BACKWARD: frozenset({Phase.IDLE, Phase.PRE_BACKWARD}),
+}
+
+
+def _queue_end_of_backward(callback: Callable[[], None]) -> None:
+    # The one private torch API we use: the autograd engine's queue of callbacks that run once
+    # the current backward pass has finished. No public API says "backward is over" (a hook on
+    # the inputs misses backward passes whose inputs need no grad). Tried on torch 2.6-2.13.
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        mapped = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(mapped)
+        except TypeError:  # a dict subclass without a mapping constructor
+            return mapped
+    if is_dataclass(obj) and not isinstance(obj, type):
+        for f in fields(obj):
+            setattr(obj, f.name, _map_tensors(getattr(obj, f.name), fn))
+        return obj
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map_tensors(obj, visit)
+    return found
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    return _map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+@dataclass
+class RootContext:
+    """Shared by all states under one root: the per-backward flags and the state list."""
+
+    states: list[FSDPState] = field(default_factory=list)  # pre-order of the module tree
+    in_backward: bool = False
+    callback_queued: bool = False
+    # The one group whose reduce-scatter may still be in flight (bounds gradient memory).
+    reducing: ParamGroup | None = None
+
+
+class FSDPState:
+    """The runtime of one ``fully_shard`` call: its group, its phase, its hooks.
+
+    Example:
+        >>> state = model._fsdp_state  # doctest: +SKIP
+        >>> state.is_root, state.phase  # doctest: +SKIP
+        (True, <Phase.IDLE: 'idle'>)
+    """
+
+    def __init__(
+        self,
+        group: ParamGroup,
+        modules: tuple[nn.Module, ...],
+        original_params: weakref.WeakSet[nn.Parameter],
+    ) -> None:
+        self.group = group
+        self.modules = modules
+        # The parameters as they were before sharding: a tie to one of them from outside this
+        # group would silently untie, so later fully_shard calls refuse it.
+        self.original_params = original_params
+        self.phase = Phase.IDLE
+        self.root: RootContext | None = None
+        self.is_root = False
+        self.is_last_backward = True
+        self._forward_depth = 0  # forwards of this group's modules in flight (nesting, lists)
+        self._ran_forward = False  # since the last end of backward
+        self._grads_ready = 0
+        self._grads_expected = sum(1 for p in group.params if p.requires_grad)
+        self._grad_hooks: list[RemovableHandle] = []
+        self._module_hooks: list[RemovableHandle] = []
+
+    def __repr__(self) -> str:
+        return f"FSDPState(root={self.is_root}, {self.phase.name}, {self.group!r})"
+
+    # -- installation and lazy init ----------------------------------------------------------
+
+    def install(self) -> None:
+        """Register the forward hooks on every module of the group."""
+        for module in self.modules:
+            self._module_hooks.append(
+                module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            )
+            self._module_hooks.append(
+                module.register_forward_hook(self.post_forward, with_kwargs=True)
+            )
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        flag = self.group.config.reshard_after_forward
+        return (not self.is_root) if flag is None else flag
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every state below its modules (first forward/unshard)."""
+        ctx = RootContext()
+        seen: set[int] = set()
+        for top in self.modules:
+            for module in top.modules():
+                state = getattr(module, "_fsdp_state", None)
+                if isinstance(state, FSDPState) and id(state) not in seen:
+                    seen.add(id(state))
+                    ctx.states.append(state)
+        if self not in ctx.states:
+            ctx.states.insert(0, self)
+        for state in ctx.states:
+            state.root = ctx
+            state.is_root = state is self
+            state._init_group()
+
+    def _init_group(self) -> None:
+        self.group.lazy_init()
+        if self._grad_hooks:
+            return
+        for p in self.group.params:
+            if p.requires_grad and p.unsharded_param is not None:
+                self._grad_hooks.append(
+                    p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                )
+
+    def ensure_initialized(self) -> RootContext:
+        if self.root is None:
+            self.lazy_init()
+        if self.root is None:
+            raise FullyShardStateError("lazy init did not set a root (internal error)")
+        return self.root
+
+    def _set_phase(self, new: Phase, call: str) -> None:
+        if new is self.phase:
+            return
+        if new not in _PHASES[self.phase]:
+            raise FullyShardStateError(
+                f"{call} came in phase {self.phase.name}, which cannot move to {new.name} "
+                f"({self.group!r}); call reset_iter_state() on the root module to recover"
+            )
+        self.phase = new
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ctx = self.ensure_initialized()
+        if ctx.in_backward:  # recomputation under activation checkpointing
+            self.group.unshard(async_op=False)
+            self.group.wait_for_unshard()
+            return args, kwargs
+        self._forward_depth += 1
+        if self._forward_depth == 1:
+            self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
+            self._ran_forward = True
+            self.group.unshard(async_op=False)
+            self.group.wait_for_unshard()
+        mp = self.group.config.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def post_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        ctx = self.root
+        if ctx is None or ctx.in_backward:
+            return output
+        self._forward_depth -= 1
+        if self._forward_depth > 0:
+            return output
+        hooked = 0
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward)
+                    hooked += 1
+        # Without an output that needs grad no backward will come to free the parameters.
+        if self.reshard_after_forward or hooked == 0:
+            self.group.reshard()
+        self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
+        out_dtype = self.group.config.mp_policy.output_dtype
+        if out_dtype is not None:
+            output = _cast_floating(output, out_dtype)
+        return output
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _ensure_end_of_backward_callback(self) -> RootContext:
+        ctx = self.ensure_initialized()
+        if not ctx.callback_queued:
+            root = next(s for s in ctx.states if s.is_root)
+            _queue_end_of_backward(root._end_of_backward)
+            ctx.callback_queued = True
+            ctx.in_backward = True
+        return ctx
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self._ensure_end_of_backward_callback()
+        if self.phase is not Phase.PRE_BACKWARD:
+            self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
+            self.group.unshard(async_op=False)
+            self.group.wait_for_unshard()
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._ensure_end_of_backward_callback()
+        self._grads_ready += 1
+        if self._grads_ready == self._grads_expected:
+            self._post_backward()
+
+    def _post_backward(self) -> None:
+        ctx = self.ensure_initialized()
+        self._set_phase(Phase.POST_BACKWARD, "post-backward (all gradients of a group ready)")
+        self._grads_ready = 0
+        if self.group.config.requires_gradient_sync:
+            # At most one group's reduce-scatter in flight: its buffers are full-size grads.
+            if ctx.reducing is not None and ctx.reducing is not self.group:
+                ctx.reducing.finish_reduce()
+            self.group.reduce_grads()
+            ctx.reducing = self.group if self.group.has_pending_reduce() else None
+        else:
+            self.group.reduce_grads()
+        if self.group.config.reshard_after_backward:
+            self.group.reshard()
+
+    def _end_of_backward(self) -> None:
+        """Root only: runs once after autograd finished the whole backward pass."""
+        ctx = self.ensure_initialized()
+        for state in reversed(ctx.states):
+            if state.phase is Phase.PRE_BACKWARD or (
+                state._ran_forward and state.phase is not Phase.POST_BACKWARD
+            ):
+                state._post_backward()
+        if self.is_last_backward:
+            for state in ctx.states:
+                state.group.finish_reduce()
+            ctx.reducing = None
+        for state in ctx.states:
+            if state.group.config.reshard_after_backward:
+                state.group.reshard()
+            state._set_phase(Phase.IDLE, "end of backward")
+            state._ran_forward = False
+            state._grads_ready = 0
+        ctx.in_backward = False
+        ctx.callback_queued = False
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget a failed iteration: nothing stays gathered, no flag stays armed."""
+        states = self.root.states if self.root is not None else [self]
+        for state in states:
+            state.group.discard_iteration_state()
+            state.phase = Phase.IDLE
+            state._forward_depth = 0
+            state._ran_forward = False
+            state._grads_ready = 0
+        if self.root is not None:
+            self.root.in_backward = False
+            self.root.callback_queued = False
+            self.root.reducing = None

@@ -1,0 +1,149 @@
+"""Policies: small frozen dataclasses that answer the engine's dtype and device questions.
+
+The engine never decides a dtype or a device on its own: it asks the group's policy. A policy
+never reaches into the engine. To change one answer, subclass the policy and override the
+method that gives it; the defaults (``MixedPrecisionPolicy()``, ``OffloadPolicy()``) answer
+"what the parameter already is" and cost nothing.
+
+Questions and who answers them:
+
+=================================================  ==========================================
+question                                           answered by
+=================================================  ==========================================
+dtype of the all-gather and of forward/backward    ``MixedPrecisionPolicy.compute_dtype``
+dtype of the gradient reduce-scatter               ``MixedPrecisionPolicy.reduce_dtype_for``
+dtype the module's outputs are cast to             ``MixedPrecisionPolicy.output_dtype``
+cast floating forward inputs to the compute dtype  ``MixedPrecisionPolicy.cast_forward_inputs``
+device the sharded parameters and grads live on    ``OffloadPolicy.shard_device``
+pin the host memory of offloaded shards            ``OffloadPolicy.use_pinned_memory``
+=================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FullyShardTypeError, FullyShardValueError
+
+
+def _check_float_dtype(name: str, dtype: object) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise FullyShardTypeError(
+            f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {dtype!r} "
+            f"({type(dtype).__name__}); pass e.g. {name}=torch.bfloat16"
+        )
+    if not dtype.is_floating_point:
+        raise FullyShardValueError(
+            f"MixedPrecisionPolicy.{name}={dtype} is not a floating-point dtype; parameters and "
+            "gradients can only be cast to float16, bfloat16, float32 or float64"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Which dtypes a group all-gathers, computes and reduces in.
+
+    The sharded parameters (what the optimizer steps on) always keep their own dtype: they are
+    the fp32 master weights when the model was built in fp32. Shards are cast to ``param_dtype``
+    *before* the all-gather, so bf16 halves the bytes every all-gather moves.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters, the all-gather and forward/backward
+            compute. ``None`` keeps each parameter's own dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter (and HSDP all-reduce). ``None``
+            means ``param_dtype`` (or the parameter's dtype if that is ``None`` too). fp32 here
+            with bf16 ``param_dtype`` costs twice the reduce bytes and gives gradients closer to
+            a full-precision run.
+        output_dtype: if set, floating-point forward outputs are cast to this dtype.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard import MixedPrecisionPolicy
+        >>> mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> mp.compute_dtype(torch.float32), mp.reduce_dtype_for(torch.float32)
+        (torch.bfloat16, torch.float32)
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        _check_float_dtype("param_dtype", self.param_dtype)
+        _check_float_dtype("reduce_dtype", self.reduce_dtype)
+        _check_float_dtype("output_dtype", self.output_dtype)
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise FullyShardTypeError(
+                "MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
+                f"{self.cast_forward_inputs!r}"
+            )
+
+    def compute_dtype(self, orig_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter of ``orig_dtype`` is all-gathered and computed in."""
+        return self.param_dtype if self.param_dtype is not None else orig_dtype
+
+    def reduce_dtype_for(self, orig_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the gradient of a parameter of ``orig_dtype`` is reduced in."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return self.compute_dtype(orig_dtype)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where sharded parameters and gradients live. The base class offloads nothing.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard import OffloadPolicy
+        >>> OffloadPolicy().shard_device(torch.device("cpu"))
+        device(type='cpu')
+    """
+
+    def shard_device(self, compute_device: torch.device) -> torch.device:
+        """The device the sharded parameters, their grads and so the optimizer state live on."""
+        return compute_device
+
+    def use_pinned_memory(self) -> bool:
+        """Whether offloaded shards sit in pinned host memory (for non-blocking copies)."""
+        return False
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and optimizer state on the CPU.
+
+    Shards are copied to the compute device for each all-gather; reduced gradients are copied
+    back, and the optimizer steps on the CPU. Saves all sharded state's accelerator memory at
+    the cost of host-device traffic every step. On a CPU-only run it changes nothing.
+
+    Attributes:
+        pin_memory: allocate the CPU shards in pinned memory so the copies can be non-blocking.
+            Ignored when no accelerator is present.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard import CPUOffloadPolicy
+        >>> CPUOffloadPolicy().shard_device(torch.device("cpu"))
+        device(type='cpu')
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise FullyShardTypeError(
+                f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}"
+            )
+
+    def shard_device(self, compute_device: torch.device) -> torch.device:
+        return torch.device("cpu")
+
+    def use_pinned_memory(self) -> bool:
+        return self.pin_memory
