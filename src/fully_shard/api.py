@@ -44,8 +44,9 @@ class _ParamPlan:
 
 
 @functools.cache
-def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
-    # One FSDP subclass per original class, so isinstance(m, cls) still holds.
+def _fsdp_class(cls: type) -> type:
+    # One FSDP subclass per original class (cached, so repeated calls share it), with the
+    # original as a base so isinstance(m, cls) still holds.
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
 
 
@@ -160,7 +161,8 @@ def fully_shard(
     for p in params:
         p.register(p.sharded_param)
     config = GroupConfig(
-        reshard_after_forward=reshard_after_forward if isinstance(reshard_after_forward, bool)
+        reshard_after_forward=reshard_after_forward
+        if isinstance(reshard_after_forward, bool)
         else None,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
@@ -170,7 +172,8 @@ def fully_shard(
     state.install()
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
-        m.__class__ = _fsdp_class(type(m))
+        # type objects are hashable; torch's stubs declare Module.__hash__ oddly for mypy
+        m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]
     return module
 
 
@@ -193,8 +196,7 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
             raise FullyShardValueError("fully_shard got the same module twice in one list")
     else:
         raise FullyShardTypeError(
-            f"fully_shard expects an nn.Module or a list of nn.Modules, got "
-            f"{type(module).__name__}"
+            f"fully_shard expects an nn.Module or a list of nn.Modules, got {type(module).__name__}"
         )
     for m in modules:
         if isinstance(m, FSDPModule):
@@ -229,9 +231,7 @@ def _check_reshard_after_forward(value: object, info: MeshInfo) -> None:
     )
 
 
-def _check_ignored(
-    ignored_params: object, modules: tuple[nn.Module, ...]
-) -> set[nn.Parameter]:
+def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
     if ignored_params is None:
         return set()
     if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
@@ -254,7 +254,9 @@ def _check_ignored(
     return ignored
 
 
-def _owned_elsewhere(modules: tuple[nn.Module, ...]) -> tuple[set[int], weakref.WeakSet[nn.Parameter]]:
+def _owned_elsewhere(
+    modules: tuple[nn.Module, ...],
+) -> tuple[set[int], weakref.WeakSet[nn.Parameter]]:
     """Parameters that earlier ``fully_shard`` calls on submodules own (and their originals)."""
     owned: set[int] = set()
     originals: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()

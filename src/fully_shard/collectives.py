@@ -18,7 +18,7 @@ reduce-scatter::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,27 +64,32 @@ class TorchComm:
     def __init__(self) -> None:
         # torch 2.13 renamed the flat-tensor collectives and deprecated the old names; older
         # releases (2.6 ...) only have the old ones.
-        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._reduce_scatter = (
+        self._all_gather: Callable[..., dist.Work | None] = (
+            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        )
+        self._reduce_scatter: Callable[..., dist.Work | None] = (
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         )
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> dist.Work | None:
-        return self._all_gather(output, input, group=group, async_op=async_op)  # type: ignore[no-any-return]
+        return self._all_gather(output, input, group=group, async_op=async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> dist.Work | None:
-        return self._reduce_scatter(  # type: ignore[no-any-return]
+        return self._reduce_scatter(
             output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> dist.Work | None:
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work: dist.Work | None = dist.all_reduce(
+            tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+        return work
 
 
 @dataclass(frozen=True)

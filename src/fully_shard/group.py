@@ -7,6 +7,7 @@ change goes through :meth:`ParamGroup._transition`, which checks the table below
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
 
@@ -236,12 +237,12 @@ class ParamGroup:
 
     def discard_iteration_state(self) -> None:
         """After an exception: wait out collectives in flight, drop grads, free, reshard."""
-        for work in (self._unshard_work, None if self._pending_reduce is None else self._pending_reduce.work):
+        pending = self._pending_reduce
+        for work in (self._unshard_work, None if pending is None else pending.work):
             if work is not None:
-                try:
+                # The exception that brought us here is what matters, not a second one.
+                with contextlib.suppress(Exception):
                     work.wait()
-                except Exception:  # noqa: BLE001 - the original failure is what matters
-                    pass
         self._unshard_work = None
         self._ag_output = None
         self._pending_reduce = None

@@ -55,7 +55,7 @@ def _queue_end_of_backward(callback: Callable[[], None]) -> None:
     # The one private torch API we use: the autograd engine's queue of callbacks that run once
     # the current backward pass has finished. No public API says "backward is over" (a hook on
     # the inputs misses backward passes whose inputs need no grad). Tried on torch 2.6-2.13.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -179,9 +179,9 @@ class FSDPState:
             return
         for p in self.group.params:
             if p.requires_grad and p.unsharded_param is not None:
-                self._grad_hooks.append(
-                    p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
-                )
+                # torch's stubs leave this hook API unannotated
+                register = p.unsharded_param.register_post_accumulate_grad_hook
+                self._grad_hooks.append(register(self._on_grad_ready))  # type: ignore[no-untyped-call]
 
     def ensure_initialized(self) -> RootContext:
         if self.root is None:
@@ -234,7 +234,7 @@ class FSDPState:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
                     hooked += 1
         # Without an output that needs grad no backward will come to free the parameters.
         if self.reshard_after_forward or hooked == 0:

@@ -112,7 +112,9 @@ class FSDPModule(nn.Module):
             )
         state.group.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Turn gradient reduction on or off (off: gradient accumulation without communication).
 
         With sync off, backward keeps unsharded gradients locally — a full-size gradient per
@@ -128,7 +130,9 @@ class FSDPModule(nn.Module):
         flag = _check_bool("requires_gradient_sync", requires_gradient_sync)
         self._update_config(recurse, requires_gradient_sync=flag)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
         """Free parameters after forward (True) or keep them until after backward (False).
 
         False saves one all-gather per group in backward at the cost of holding the group's
@@ -211,7 +215,7 @@ class FSDPModule(nn.Module):
                 f"{type(self).__name__}: to()/to_empty()/cuda() while the parameters are "
                 "gathered; call reshard() first"
             )
-        out = super()._apply(fn, recurse)
+        out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for p in self._fsdp_state.group.params:
             p.sync_with_module()
         return out

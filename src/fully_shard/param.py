@@ -28,12 +28,19 @@ padding along ``d``; the unsharded parameter is then a (possibly non-contiguous)
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .mesh import MeshInfo
+
+
+def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
+    if not isinstance(t, DTensor):
+        raise RuntimeError(f"{fqn}: the sharded parameter is not a DTensor (internal error)")
+    return t
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -143,13 +150,14 @@ class ShardedParam:
         in the module; either way the module's current one becomes ours again.
         """
         module, name = self.slots[0]
-        current = module._parameters[name]
-        if isinstance(current, DTensor) and current is not self.sharded_param:
+        current: object = module._parameters[name]
+        # cast: a Parameter can wrap a DTensor, which mypy cannot see
+        if isinstance(current, DTensor) and current is not cast(object, self.sharded_param):
             if not isinstance(current, nn.Parameter):
                 current = nn.Parameter(current, requires_grad=self.requires_grad)
             self.sharded_param = current
         with torch.no_grad():
-            self._local = self.sharded_param.to_local()
+            self._local = _as_dtensor(self.sharded_param, self.fqn).to_local()
         self.register(self.sharded_param)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
@@ -167,7 +175,7 @@ class ShardedParam:
             )
         else:
             # Under no_grad, to_local() is the DTensor's own local tensor: add in place.
-            grad.to_local().add_(local_grad)
+            _as_dtensor(grad, self.fqn).to_local().add_(local_grad)
 
     # -- the unsharded side -------------------------------------------------------------------
 
@@ -186,10 +194,10 @@ class ShardedParam:
             view = storage.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim])
             self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
             return
-        storage = self._storage.untyped_storage()
+        untyped = self._storage.untyped_storage()
         nbytes = self._storage.numel() * self._storage.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        if untyped.size() != nbytes:
+            untyped.resize_(nbytes)
 
     def free_storage(self) -> None:
         """Free the unsharded bytes; the tensor objects (and autograd's references) stay."""
@@ -246,7 +254,7 @@ class ShardedParam:
         self.unsharded_accumulated_grad = grad
 
     def reduce_scatter_view(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``grad`` (the full shape) as ``(W, padded_numel)`` in ``dtype``, rank r's chunk in row r."""
+        """``grad`` (full shape) as ``(W, padded_numel)`` in ``dtype``: rank r's chunk in row r."""
         d, n = self.shard_dim, self.orig_size[self.shard_dim]
         if n == self.chunk * self.world and d == 0:
             return grad.to(dtype).reshape(self.world, -1)
