@@ -168,7 +168,7 @@ def fully_shard(
         offload_policy=offload_policy,
     )
     group = ParamGroup(params, modules, info, config, TorchComm())
-    state = FSDPState(group, modules, weakref.WeakSet(plan.param for plan in plans))
+    state = FSDPState(group, modules, {id(plan.param): weakref.ref(plan.param) for plan in plans})
     state.install()
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
@@ -256,10 +256,10 @@ def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> se
 
 def _owned_elsewhere(
     modules: tuple[nn.Module, ...],
-) -> tuple[set[int], weakref.WeakSet[nn.Parameter]]:
+) -> tuple[set[int], dict[int, weakref.ref[nn.Parameter]]]:
     """Parameters that earlier ``fully_shard`` calls on submodules own (and their originals)."""
     owned: set[int] = set()
-    originals: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+    originals: dict[int, weakref.ref[nn.Parameter]] = {}
     for top in modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
@@ -268,7 +268,7 @@ def _owned_elsewhere(
                     owned.add(id(p.sharded_param))
                     if p.unsharded_param is not None:
                         owned.add(id(p.unsharded_param))
-                originals |= state.original_params
+                originals.update(state.original_params)
     return owned, originals
 
 
@@ -291,7 +291,8 @@ def _plan_params(
                     continue
                 seen_slots.add((id(m), name))
                 fqn = prefix + (f"{mod_name}.{name}" if mod_name else name)
-                if p in originals:
+                original = originals.get(id(p))
+                if original is not None and original() is p:
                     raise FullyShardValueError(
                         f"parameter {fqn!r} is tied to a parameter that an earlier fully_shard "
                         "call on a submodule already sharded; tied parameters must be in one "

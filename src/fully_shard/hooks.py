@@ -118,12 +118,13 @@ class FSDPState:
         self,
         group: ParamGroup,
         modules: tuple[nn.Module, ...],
-        original_params: weakref.WeakSet[nn.Parameter],
+        original_params: dict[int, weakref.ref[nn.Parameter]],
     ) -> None:
         self.group = group
         self.modules = modules
         # The parameters as they were before sharding: a tie to one of them from outside this
-        # group would silently untie, so later fully_shard calls refuse it.
+        # group would silently untie, so later fully_shard calls refuse it. Keyed by id, held
+        # weakly (a WeakSet would compare tensors with ==).
         self.original_params = original_params
         self.phase = Phase.IDLE
         self.root: RootContext | None = None

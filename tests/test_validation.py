@@ -1,0 +1,424 @@
+"""The catalogue of bad inputs: each raises a clear error and leaves the module as it was.
+
+Every case builds a fresh model, takes a snapshot of everything ``fully_shard`` could change
+(classes, parameter objects and values, hooks, instance attributes), makes the bad call and
+checks the exception type and message, then checks the snapshot is unchanged and that a
+valid ``fully_shard`` call on the same model still trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import mesh_1d, run_distributed
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from fully_shard import (
+    CPUOffloadPolicy,
+    FullyShardError,
+    FullyShardNotImplementedError,
+    FullyShardStateError,
+    FullyShardTypeError,
+    FullyShardValueError,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(5, 7), nn.ReLU())
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))  # type: ignore[no-any-return]
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything about ``model`` a failed ``fully_shard`` call must not have touched."""
+    mods = list(model.modules())
+    return {
+        "classes": [type(m) for m in mods],
+        "params": [
+            (n, id(p), type(p), p.detach().clone())
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ],
+        "hooks": [
+            (
+                list(m._forward_pre_hooks),
+                list(m._forward_hooks),
+                list(m._backward_hooks),
+                list(m._backward_pre_hooks),
+            )
+            for m in mods
+        ],
+        "attrs": [sorted(m.__dict__) for m in mods],
+    }
+
+
+def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert before["classes"] == after["classes"]
+    assert before["hooks"] == after["hooks"]
+    assert before["attrs"] == after["attrs"]
+    assert len(before["params"]) == len(after["params"])
+    for (n0, i0, t0, v0), (n1, i1, t1, v1) in zip(before["params"], after["params"], strict=True):
+        assert (n0, i0, t0) == (n1, i1, t1), f"parameter {n0} was replaced"
+        assert v0.shape == v1.shape, f"parameter {n0} changed shape"
+        if v0.device.type != "meta":  # meta tensors have no values to compare
+            assert torch.equal(v0, v1), f"parameter {n0} changed value"
+
+
+def still_trains(model: nn.Module) -> None:
+    """A valid fully_shard call after the failed one works, and a step runs."""
+    mesh = mesh_1d()
+    fully_shard(model.inner, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(4, 5)).sum().backward()
+    for p in model.parameters():
+        assert p.grad is not None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad call: what to pass, which error, which words the message must contain."""
+
+    name: str
+    call: Callable[[Net], object]
+    error: type[Exception]
+    words: tuple[str, ...]
+
+
+def _replicate_fn(p: nn.Parameter) -> Any:
+    return Replicate()
+
+
+def _shard2_fn(p: nn.Parameter) -> Shard:
+    return Shard(2)
+
+
+def _mixed_devices(m: Net) -> object:
+    m.out.bias = nn.Parameter(torch.empty(3, device="meta"))
+    return fully_shard(m, mesh=mesh_1d())
+
+
+def _mixed_dtypes(m: Net) -> object:
+    m.out.bias = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    return fully_shard(m, mesh=mesh_1d())
+
+
+def _scalar_param(m: Net) -> object:
+    m.scale = nn.Parameter(torch.tensor(1.0))
+    return fully_shard(m, mesh=mesh_1d())
+
+
+def _dtensor_param(m: Net) -> object:
+    mesh = mesh_1d()
+    m.out.weight = nn.Parameter(distribute_tensor(m.out.weight.detach(), mesh, [Shard(0)]))
+    return fully_shard(m.out, mesh=mesh)
+
+
+def _tied_across_groups(m: Net) -> object:
+    m.out.weight = nn.Parameter(torch.randn(3, 7))
+    m.extra = nn.Linear(7, 3)
+    m.extra.weight = m.out.weight
+    fully_shard(m.out, mesh=mesh_1d())
+    return fully_shard(m, mesh=mesh_1d())
+
+
+def _three_d_mesh(m: Net) -> object:
+    return fully_shard(m, mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size())))
+
+
+CASES = [
+    Case("not a module", lambda m: fully_shard("net"), FullyShardTypeError, ("nn.Module", "str")),  # type: ignore[call-overload]
+    Case("empty list", lambda m: fully_shard([]), FullyShardValueError, ("empty list",)),
+    Case(
+        "list with a non-module",
+        lambda m: fully_shard([m.out, 3]),  # type: ignore[list-item]
+        FullyShardTypeError,
+        ("item 1", "int"),
+    ),
+    Case(
+        "same module twice in a list",
+        lambda m: fully_shard([m.out, m.out], mesh=mesh_1d()),
+        FullyShardValueError,
+        ("same module twice",),
+    ),
+    Case(
+        "mesh of the wrong type",
+        lambda m: fully_shard(m, mesh="dp"),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("DeviceMesh", "str"),
+    ),
+    Case("3-D mesh", _three_d_mesh, FullyShardValueError, ("3-D mesh", 'mesh["dp"]')),
+    Case(
+        "reshard_after_forward a string",
+        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward="yes"),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("reshard_after_forward", "'yes'"),
+    ),
+    Case(
+        "reshard_after_forward not a divisor",
+        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward=3),
+        FullyShardValueError,
+        ("reshard_after_forward=3", "divide"),
+    ),
+    Case(
+        "reshard_after_forward an int",
+        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward=1),
+        FullyShardNotImplementedError,
+        ("reshard_after_forward=1", "not supported yet"),
+    ),
+    Case(
+        "shard_placement_fn not callable",
+        lambda m: fully_shard(m, mesh=mesh_1d(), shard_placement_fn=42),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("shard_placement_fn", "callable"),
+    ),
+    Case(
+        "shard_placement_fn returns Replicate",
+        lambda m: fully_shard(m, mesh=mesh_1d(), shard_placement_fn=_replicate_fn),
+        FullyShardTypeError,
+        ("Replicate", "inner.0.weight", "Shard(dim)"),
+    ),
+    Case(
+        "shard_placement_fn dim out of range",
+        lambda m: fully_shard(m, mesh=mesh_1d(), shard_placement_fn=_shard2_fn),
+        FullyShardValueError,
+        ("Shard(2)", "inner.0.weight", "(7, 5)"),
+    ),
+    Case(
+        "mp_policy of the wrong type",
+        lambda m: fully_shard(m, mesh=mesh_1d(), mp_policy="bf16"),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("mp_policy", "MixedPrecisionPolicy", "str"),
+    ),
+    Case(
+        "offload_policy of the wrong type",
+        lambda m: fully_shard(m, mesh=mesh_1d(), offload_policy=True),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("offload_policy", "OffloadPolicy", "bool"),
+    ),
+    Case(
+        "MixedPrecisionPolicy with an integer dtype",
+        lambda m: MixedPrecisionPolicy(param_dtype=torch.int32),
+        FullyShardValueError,
+        ("param_dtype=torch.int32", "floating-point"),
+    ),
+    Case(
+        "MixedPrecisionPolicy with a string dtype",
+        lambda m: MixedPrecisionPolicy(reduce_dtype="bf16"),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("reduce_dtype", "torch.dtype"),
+    ),
+    Case(
+        "CPUOffloadPolicy pin_memory not a bool",
+        lambda m: CPUOffloadPolicy(pin_memory="yes"),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("pin_memory", "bool"),
+    ),
+    Case(
+        "ignored_params a tensor",
+        lambda m: fully_shard(m, mesh=mesh_1d(), ignored_params=torch.zeros(2)),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("ignored_params", "Tensor"),
+    ),
+    Case(
+        "ignored_params holds a plain tensor",
+        lambda m: fully_shard(m, mesh=mesh_1d(), ignored_params={torch.zeros(2)}),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("ignored_params", "nn.Parameters"),
+    ),
+    Case(
+        "ignored_params holds a foreign parameter",
+        lambda m: fully_shard(m, mesh=mesh_1d(), ignored_params={nn.Parameter(torch.zeros(4, 2))}),
+        FullyShardValueError,
+        ("ignored_params", "(4, 2)", "not a parameter of the module"),
+    ),
+    Case(
+        "parameters on different devices",
+        _mixed_devices,
+        FullyShardValueError,
+        ("different devices", "out.bias@meta"),
+    ),
+    Case(
+        "parameters of different dtypes",
+        _mixed_dtypes,
+        FullyShardValueError,
+        ("different dtypes", "out.bias:torch.float64", "param_dtype"),
+    ),
+    Case("a 0-dim parameter", _scalar_param, FullyShardValueError, ("'scale'", "0-dimensional")),
+    Case(
+        "a parameter that is already a DTensor",
+        _dtensor_param,
+        FullyShardNotImplementedError,
+        ("'weight'", "already a DTensor"),
+    ),
+]
+
+# Cases whose setup itself changes the model (it adds the offending parameter, or shards a
+# submodule first) compare against the state right before the bad call instead.
+SETUP_CASES = [
+    Case(
+        "tied to a parameter sharded by an earlier call",
+        _tied_across_groups,
+        FullyShardValueError,
+        ("'extra.weight'", "tied", "one group"),
+    ),
+    Case(
+        "fully_shard twice on one module",
+        lambda m: fully_shard(m.out, mesh=mesh_1d()),
+        FullyShardValueError,
+        ("already applied", "Linear"),
+    ),
+]
+
+
+def _run_case(index: int) -> str:
+    case = CASES[index]
+    torch.manual_seed(0)
+    model = Net()
+    if case.name in ADDED_PARAM:
+        # The case adds its offending parameter itself; _run_added_param_case checks that the
+        # module stays unchanged from there on.
+        with pytest.raises(case.error) as info:
+            case.call(model)
+        message = str(info.value)
+    else:
+        before = snapshot(model)
+        with pytest.raises(case.error) as info:
+            case.call(model)
+        message = str(info.value)
+        assert_same(before, snapshot(model))
+        still_trains(model)
+    assert isinstance(info.value, FullyShardError)
+    for word in case.words:
+        assert word in message, f"{case.name}: {word!r} not in {message!r}"
+    return message
+
+
+def _run_added_param_case(index: int) -> None:
+    """Cases that add a bad parameter: the module with it stays as it was, and fixing the
+    parameter (removing it) makes the same module shardable."""
+    case = CASES[index]
+    torch.manual_seed(0)
+    model = Net()
+    call = case.call
+    # Re-run the case's own setup step by step: add the parameter, snapshot, then call.
+    if call is _mixed_devices:
+        model.out.bias = nn.Parameter(torch.empty(3, device="meta"))
+    elif call is _mixed_dtypes:
+        model.out.bias = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    elif call is _scalar_param:
+        model.scale = nn.Parameter(torch.tensor(1.0))
+    elif call is _dtensor_param:
+        mesh = mesh_1d()
+        model.out.weight = nn.Parameter(
+            distribute_tensor(model.out.weight.detach(), mesh, [Shard(0)])
+        )
+    before = snapshot(model)
+    target = model.out if call is _dtensor_param else model
+    with pytest.raises(case.error):
+        fully_shard(target, mesh=mesh_1d())
+    assert_same(before, snapshot(model))
+    # Repair the offending parameter and shard the very same module.
+    if call is _scalar_param:
+        del model.scale
+    elif call is _dtensor_param:
+        model.out.weight = nn.Parameter(torch.randn(3, 7))
+    else:
+        model.out.bias = nn.Parameter(torch.zeros(3))
+    still_trains(model)
+
+
+def _run_setup_case(index: int) -> None:
+    case = SETUP_CASES[index]
+    torch.manual_seed(0)
+    model = Net()
+    if case.call is _tied_across_groups:
+        model.out.weight = nn.Parameter(torch.randn(3, 7))
+        model.extra = nn.Linear(7, 3)
+        model.extra.weight = model.out.weight
+        fully_shard(model.out, mesh=mesh_1d())
+        before = snapshot(model)
+        with pytest.raises(case.error) as info:
+            fully_shard(model, mesh=mesh_1d())
+        assert_same(before, snapshot(model))
+        # The fix the message suggests: shard the tied pair in one group (the root).
+        fresh = Net()
+        fresh.extra = nn.Linear(7, 3)
+        fresh.extra.weight = fresh.out.weight
+        fully_shard(fresh, mesh=mesh_1d())
+        fresh(torch.randn(2, 5)).sum().backward()
+    else:
+        fully_shard(model.out, mesh=mesh_1d())
+        before = snapshot(model)
+        with pytest.raises(case.error) as info:
+            case.call(model)
+        assert_same(before, snapshot(model))
+        fully_shard(model, mesh=mesh_1d())
+        model(torch.randn(2, 5)).sum().backward()
+    for word in case.words:
+        assert word in str(info.value), f"{case.name}: {word!r} not in {info.value}"
+
+
+ADDED_PARAM = {"parameters on different devices", "parameters of different dtypes",
+               "a 0-dim parameter", "a parameter that is already a DTensor"}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
+def test_bad_input(index: int) -> None:
+    run_distributed(_run_case, 2, index)
+    if CASES[index].name in ADDED_PARAM:
+        run_distributed(_run_added_param_case, 2, index)
+
+
+@pytest.mark.parametrize("index", range(len(SETUP_CASES)), ids=[c.name for c in SETUP_CASES])
+def test_bad_input_after_setup(index: int) -> None:
+    run_distributed(_run_setup_case, 2, index)
+
+
+def test_catalogue_size() -> None:
+    assert len(CASES) + len(SETUP_CASES) >= 15
+
+
+def _bad_runtime_calls() -> None:
+    model = Net()
+    fully_shard(model, mesh=mesh_1d())
+    with pytest.raises(FullyShardTypeError, match="reshard_after_forward must be a bool"):
+        model.set_reshard_after_forward("no")  # type: ignore[arg-type]
+    with pytest.raises(FullyShardTypeError, match="requires_gradient_sync must be a bool"):
+        model.set_requires_gradient_sync(1)  # type: ignore[arg-type]
+    with pytest.raises(FullyShardTypeError, match="has no all_gather"):
+        model.set_comm(object())  # type: ignore[arg-type]
+    with pytest.raises(FullyShardTypeError, match="call fully_shard"):
+        register_fsdp_forward_method(nn.Linear(2, 2), "forward")
+    with pytest.raises(FullyShardValueError, match="no method 'generate'"):
+        register_fsdp_forward_method(model, "generate")
+    # none of the rejected calls changed anything: a step still works
+    model(torch.randn(3, 5)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bad_runtime_calls() -> None:
+    run_distributed(_bad_runtime_calls, 2)
+
+
+def test_mesh_none_without_distributed() -> None:
+    # The pytest process itself never initialises torch.distributed.
+    assert not dist.is_initialized()
+    model = Net()
+    before = snapshot(model)
+    with pytest.raises(FullyShardStateError, match="torchrun") as info:
+        fully_shard(model)
+    assert "init_process_group" in str(info.value)
+    assert_same(before, snapshot(model))
