@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.multiprocessing.spawn import spawn
 
 from . import CountingComm, fully_shard
 
