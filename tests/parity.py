@@ -1,0 +1,420 @@
+"""The parity template: a sharded model must train exactly like an unsharded replica.
+
+`check_parity` runs inside every rank of a distributed job (default process group initialised,
+world size W, a 1-D `DeviceMesh` over the W ranks passed in, or a 2-D HSDP one). Each step:
+
+    global batch (W * grad_accum * local_batch rows, identical on every rank, seeded)
+      rank r takes rows [r * k * b, (r + 1) * k * b)        (k = grad_accum, b = local_batch)
+      sharded model: k micro-batches of b rows, loss = mean over the micro-batch / k
+      reference:     the whole global batch at once, loss = mean over the global batch
+
+Because every micro-batch has the same number of rows, the reference gradient equals the
+average over ranks of the per-rank gradients, which is what fully sharded data parallelism
+computes (reduce-scatter with SUM, then divide by W). So, step by step:
+
+- the all-reduced mean of the sharded losses equals the reference loss;
+- every parameter's gradient, `.full_tensor()`, equals the reference gradient (before the
+  optimizer step; frozen parameters keep `grad is None` on both sides);
+- after the last step, every parameter's `.full_tensor()` equals the reference parameter.
+
+Every comparison is made with identical tensors on every rank (`full_tensor()` all-gathers,
+the loss is all-reduced), so a mismatch raises the same `AssertionError` on every rank and no
+rank is left waiting in a collective.
+
+Parameters the shard function leaves as plain tensors (e.g. `ignored_params`) are compared
+directly. Their gradients are not reduced by the engine, so the template all-reduces (averages)
+them itself before comparing, as a user would with DDP or by hand.
+
+The implementation under test is whatever `shard` calls; `wrap_layers_then_root(shard_fn)`
+builds the usual bottom-up wrapping for any `fully_shard`-compatible callable, so the same test
+runs against ours and torch's `torch.distributed.fsdp.fully_shard`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "Batch",
+    "MakeBatch",
+    "ParityStats",
+    "ShardFn",
+    "check_parity",
+    "fsdp_gradient_sync",
+    "loss_fn",
+    "make_float_batch",
+    "make_token_batch",
+    "wrap_layers_then_root",
+]
+
+Batch = tuple[Tensor, Tensor]
+"""(inputs, targets), both with the batch in dim 0."""
+
+MakeBatch = Callable[[int, torch.Generator], Batch]
+"""`make_batch(n_rows, generator) -> (inputs, targets)`, deterministic given the generator."""
+
+ShardFn = Callable[..., Any]
+"""A `fully_shard`-compatible callable: `shard_fn(module_or_list, *, mesh=..., **options)`."""
+
+OptimizerName = Literal["adamw", "adam", "sgd"]
+
+
+class ParityStats(TypedDict):
+    """What `check_parity` observed; every difference is a max absolute difference."""
+
+    max_loss_diff: float
+    max_grad_diff: float
+    max_param_diff: float
+    ref_losses: list[float]  # the reference loss of each step
+    zero_grad_params: list[str]  # trainable params whose reference grad was 0 at every step
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and loss
+# ---------------------------------------------------------------------------------------------
+
+
+def make_token_batch(
+    n: int, gen: torch.Generator, *, vocab_size: int = 32, seq_len: int = 8
+) -> Batch:
+    """Random next-token data: tokens (n, seq_len) int64 and targets (n, seq_len) int64.
+
+    Targets are the tokens shifted by one (drawn as one (n, seq_len + 1) sequence). Bind the
+    keywords with `functools.partial` to get a `MakeBatch`.
+    """
+    seq = torch.randint(0, vocab_size, (n, seq_len + 1), generator=gen)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def make_float_batch(n: int, gen: torch.Generator, *, in_dim: int, out_dim: int) -> Batch:
+    """Gaussian regression data: inputs (n, in_dim) fp32 and targets (n, out_dim) fp32."""
+    x = torch.randn(n, in_dim, generator=gen)
+    y = torch.randn(n, out_dim, generator=gen)
+    return x, y
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    """Mean loss over every element of the batch: a scalar fp32 tensor.
+
+    Integer targets (n, ...) with logits (n, ..., C) give cross-entropy averaged over all
+    positions; float targets give the mean squared error. Either way each row of an
+    equal-sized micro-batch weighs the same, which `check_parity` relies on.
+    """
+    if target.dtype in (torch.int64, torch.int32):
+        return F.cross_entropy(output.float().flatten(0, -2), target.flatten())
+    return F.mse_loss(output.float(), target.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapping helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def wrap_layers_then_root(
+    shard_fn: ShardFn, **options: Any
+) -> Callable[[nn.Module, DeviceMesh], None]:
+    """A `shard` for `check_parity`: `shard_fn` each block of `model.layers`, then the root.
+
+    `options` (e.g. `reshard_after_forward=False`, `mp_policy=...`) go to every call.
+    `shard_fn` is the implementation under test: ours or torch's `fully_shard`.
+    """
+
+    def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        layers = model.get_submodule("layers")
+        for block in layers.children():
+            shard_fn(block, mesh=mesh, **options)
+        shard_fn(model, mesh=mesh, **options)
+
+    return shard
+
+
+def fsdp_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """A `set_gradient_sync` hook for `check_parity`: `model.set_requires_gradient_sync(sync)`."""
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule method
+
+
+# ---------------------------------------------------------------------------------------------
+# The template
+# ---------------------------------------------------------------------------------------------
+
+
+def _full(t: Tensor) -> Tensor:
+    """The global value of a (possibly sharded) tensor; all-gathers if it is a DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _max_diff(a: Tensor, b: Tensor) -> float:
+    return 0.0 if a.numel() == 0 else (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def _compare(
+    what: str, got: Tensor, want: Tensor, *, atol: float, rtol: float, where: str
+) -> float:
+    """Assert `got` is close to `want` like `torch.allclose`; return the max abs difference."""
+    if got.shape != want.shape:
+        raise AssertionError(
+            f"{where}: {what} has shape {tuple(got.shape)}, reference has {tuple(want.shape)}"
+        )
+    got64, want64 = got.detach().double(), want.detach().double()
+    diff = _max_diff(got64, want64)
+    if not torch.allclose(got64, want64, atol=atol, rtol=rtol) or not math.isfinite(diff):
+        raise AssertionError(
+            f"{where}: {what} differs from the reference: max |sharded - ref| = {diff:.3e} "
+            f"(atol={atol:g}, rtol={rtol:g}, shape {tuple(want.shape)}, "
+            f"max |ref| = {want64.abs().max().item() if want.numel() else 0.0:.3e})"
+        )
+    return diff
+
+
+def _make_optimizer(
+    name: OptimizerName, params: Iterable[nn.Parameter], lr: float
+) -> torch.optim.Optimizer:
+    trainable = [p for p in params if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(trainable, lr=lr, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(trainable, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(trainable, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; expected 'adamw', 'adam' or 'sgd'")
+
+
+def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())  # shared (tied) parameters appear once
+
+
+def _copy_reference_from(reference: nn.Module, sharded: nn.Module) -> None:
+    """Overwrite the reference's parameters and buffers with the sharded model's global values."""
+    buffers = dict(sharded.named_buffers())
+    params = _named_params(sharded)
+    with torch.no_grad():
+        for name, ref_p in _named_params(reference).items():
+            if name not in params:
+                raise AssertionError(f"sharding removed parameter {name!r}")
+            ref_p.copy_(_full(params[name].detach()))
+        for name, ref_b in reference.named_buffers():
+            ref_b.copy_(_full(buffers[name]))
+
+
+def _data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None]:
+    """(number of data-parallel ranks, this rank's index among them, their group)."""
+    if mesh.ndim == 1:
+        return mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"a {mesh.ndim}-D mesh of {mesh.size()} ranks must span the whole default group "
+            f"of {dist.get_world_size()} ranks"
+        )
+    flat = mesh.mesh.flatten().tolist()  # ranks in data order
+    return len(flat), flat.index(dist.get_rank()), None
+
+
+def check_parity(
+    build_model: Callable[[], nn.Module],
+    shard: Callable[[nn.Module, DeviceMesh], None],
+    make_batch: MakeBatch,
+    mesh: DeviceMesh,
+    *,
+    loss: Callable[[Tensor, Tensor], Tensor] = loss_fn,
+    steps: int = 5,
+    local_batch: int = 2,
+    lr: float = 1e-3,
+    optimizer: OptimizerName = "adamw",
+    atol: float = 1e-6,
+    rtol: float = 1e-5,
+    grad_accum: int = 1,
+    set_gradient_sync: Callable[[nn.Module, bool], None] | None = None,
+    reference_from_sharded: bool = False,
+    seed: int = 0,
+) -> ParityStats:
+    """Train a sharded model and an unsharded replica side by side and compare every step.
+
+    Call on every rank of the default process group (W = `mesh.size()` ranks).
+
+    Args:
+        build_model: builds the model; called once per rank right after `torch.manual_seed(seed)`
+            so every rank builds the same values. Freeze parameters here (requires_grad=False).
+        shard: applies the sharding in place, e.g. `wrap_layers_then_root(fully_shard)`; it
+            chooses the wrapping and may leave parameters unsharded (ignored params).
+        make_batch: `make_batch(n_rows, generator) -> (inputs, targets)`; called once per step
+            with `n_rows = W * grad_accum * local_batch` and a generator seeded the same on
+            every rank, so all ranks see the same global batch and each takes its own slice.
+        mesh: the data-parallel mesh passed to `shard`. 1-D: its W ranks split the batch. A
+            2-D (replicate, shard) HSDP mesh must span the whole default group; then all its
+            ranks split the batch, in the order of `mesh.mesh.flatten()`.
+        loss: `loss(model(inputs), targets)`, a mean over the rows (see `loss_fn`).
+        steps: optimizer steps.
+        local_batch: rows per micro-batch per rank.
+        lr, optimizer: the same optimizer ("adamw", "adam" or "sgd" with momentum) drives both.
+            Adam turns a gradient entry that is pure rounding noise into a full +-lr update,
+            so the final parameter difference grows with lr: 1e-2 gave 1e-5 where 1e-3 gives
+            1e-6 on the Transformer; raise atol with lr.
+        atol, rtol: `torch.allclose` tolerances for losses, gradients and parameters. Against
+            torch's fully_shard (fp32, W = 2..4, both test models) no element needed more than
+            atol = 7e-8 beyond rtol = 1e-5, so the defaults leave a margin of ~15x while still
+            catching a 1% error in a gradient of size 1e-3 (the tiny models' typical size).
+        grad_accum: micro-batches per step (k). The sharded model runs k forward/backward passes
+            on its k micro-batches, each loss divided by k, then one optimizer step.
+        set_gradient_sync: called as `set_gradient_sync(model, sync)` before every micro-batch,
+            `sync` True only on the last, e.g. `fsdp_gradient_sync` to test skipped reduction.
+        reference_from_sharded: after `shard`, copy the sharded model's global parameter and
+            buffer values into the reference instead of relying on identical construction (for
+            meta-device init, where `shard` also runs `to_empty()` + `reset_parameters()`).
+        seed: seeds the model build and the data.
+
+    Returns:
+        `ParityStats`: the max differences seen, the reference losses and the names of
+        trainable parameters whose gradient was zero at every step (a vacuous comparison).
+
+    Raises:
+        AssertionError: naming the step, the parameter and the max abs difference.
+    """
+    if steps < 1 or local_batch < 1 or grad_accum < 1:
+        raise ValueError(
+            f"steps={steps}, local_batch={local_batch}, grad_accum={grad_accum} "
+            "must all be positive"
+        )
+    world, rank, group = _data_parallel_coordinates(mesh)
+
+    torch.manual_seed(seed)
+    model = build_model()
+    reference = copy.deepcopy(model)
+    shard(model, mesh)
+    if reference_from_sharded:
+        reference.to_empty(device=torch.device("cpu"))
+        tie = getattr(reference, "tie_weights", None)
+        if callable(tie):
+            tie()  # to_empty() broke parameter sharing in the reference
+        _copy_reference_from(reference, model)
+
+    params, ref_params = _named_params(model), _named_params(reference)
+    if params.keys() != ref_params.keys():
+        raise AssertionError(
+            "sharding changed the parameter names: only sharded "
+            f"{sorted(params.keys() - ref_params.keys())}, only reference "
+            f"{sorted(ref_params.keys() - params.keys())}"
+        )
+    for name, p in params.items():
+        _compare(
+            f"initial parameter {name!r}",
+            _full(p.detach()),
+            ref_params[name],
+            atol=0.0,
+            rtol=0.0,
+            where="before training",
+        )
+        if p.requires_grad != ref_params[name].requires_grad:
+            raise AssertionError(
+                f"parameter {name!r}: requires_grad={p.requires_grad} after "
+                f"sharding, {ref_params[name].requires_grad} before"
+            )
+
+    opt = _make_optimizer(optimizer, params.values(), lr)
+    ref_opt = _make_optimizer(optimizer, ref_params.values(), lr)
+    data_gen = torch.Generator().manual_seed(seed + 1)
+    rows = local_batch * grad_accum  # rows of one rank per step
+
+    stats = ParityStats(
+        max_loss_diff=0.0, max_grad_diff=0.0, max_param_diff=0.0, ref_losses=[], zero_grad_params=[]
+    )
+    ever_nonzero: set[str] = set()
+    for step in range(steps):
+        where = f"rank {rank}, step {step}"
+        inputs, targets = make_batch(world * rows, data_gen)  # (W * k * b, ...)
+
+        # Reference: the whole global batch at once.
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = loss(reference(inputs), targets)
+        torch.autograd.backward(ref_loss)
+
+        # Sharded: this rank's k micro-batches.
+        opt.zero_grad(set_to_none=True)
+        local_loss = torch.zeros((), dtype=torch.float64)
+        for micro in range(grad_accum):
+            if set_gradient_sync is not None:
+                set_gradient_sync(model, micro == grad_accum - 1)
+            lo = rank * rows + micro * local_batch
+            micro_loss = loss(model(inputs[lo : lo + local_batch]), targets[lo : lo + local_batch])
+            torch.autograd.backward(micro_loss / grad_accum)
+            local_loss += micro_loss.detach().double() / grad_accum
+        dist.all_reduce(local_loss, group=group)  # sum over ranks
+        mean_loss = local_loss / world
+
+        stats["ref_losses"].append(ref_loss.item())
+        stats["max_loss_diff"] = max(
+            stats["max_loss_diff"],
+            _compare(
+                "loss (mean over ranks)",
+                mean_loss,
+                ref_loss.detach().double(),
+                atol=atol,
+                rtol=rtol,
+                where=where,
+            ),
+        )
+
+        for name, p in params.items():
+            ref_p = ref_params[name]
+            if not p.requires_grad:
+                if p.grad is not None or ref_p.grad is not None:
+                    raise AssertionError(
+                        f"{where}: frozen parameter {name!r} got a gradient "
+                        f"(sharded: {p.grad is not None}, reference: "
+                        f"{ref_p.grad is not None})"
+                    )
+                continue
+            if (p.grad is None) != (ref_p.grad is None):
+                raise AssertionError(
+                    f"{where}: grad of {name!r} is "
+                    f"{'None' if p.grad is None else 'set'} but the reference's "
+                    f"is {'None' if ref_p.grad is None else 'set'}"
+                )
+            if p.grad is None or ref_p.grad is None:
+                continue
+            if isinstance(p, DTensor) != isinstance(p.grad, DTensor):
+                raise AssertionError(
+                    f"{where}: parameter {name!r} is a "
+                    f"{type(p.data).__name__} but its grad is a "
+                    f"{type(p.grad).__name__}"
+                )
+            if not isinstance(p, DTensor):
+                # Unsharded (ignored) parameter: the engine leaves its gradient local.
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(world)
+            grad = _full(p.grad)
+            stats["max_grad_diff"] = max(
+                stats["max_grad_diff"],
+                _compare(f"grad of {name!r}", grad, ref_p.grad, atol=atol, rtol=rtol, where=where),
+            )
+            if bool((ref_p.grad != 0).any()):
+                ever_nonzero.add(name)
+
+        opt.step()
+        ref_opt.step()
+
+    for name, p in params.items():
+        stats["max_param_diff"] = max(
+            stats["max_param_diff"],
+            _compare(
+                f"parameter {name!r}",
+                _full(p.detach()),
+                ref_params[name],
+                atol=atol,
+                rtol=rtol,
+                where=f"rank {rank}, after {steps} steps",
+            ),
+        )
+    stats["zero_grad_params"] = sorted(
+        n for n, p in params.items() if p.requires_grad and n not in ever_nonzero
+    )
+    return stats
