@@ -194,16 +194,17 @@ class ParamGroup:
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of this backward's gradients, or keep them if sync is off."""
         trainable = [p for p in self.params if p.requires_grad]
+        mp = self.config.mp_policy
         if not self.config.requires_gradient_sync:
             for p in trainable:
-                p.keep_unsharded_grad()
+                p.keep_unsharded_grad(mp.reduce_dtype_for(p.orig_dtype))
             return
         self.finish_reduce()  # a reduction still in flight from an earlier backward
         grads = [(p, p.take_unsharded_grad()) for p in trainable]
         with_grad = [(p, g) for p, g in grads if g is not None]
         if not with_grad:
             return
-        reduce_dtype = self.config.mp_policy.reduce_dtype_for(with_grad[0][0].orig_dtype)
+        reduce_dtype = mp.reduce_dtype_for(with_grad[0][0].orig_dtype)
         world = self.info.shard_size
         views = [p.reduce_scatter_view(g, reduce_dtype) for p, g in with_grad]
         flat_in = pack_for_reduce_scatter(views, world)  # (W * total,)

@@ -217,9 +217,9 @@ class FSDPState:
             self._ran_forward = True
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
-        mp = self.group.config.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
+        input_dtype = self.group.config.mp_policy.forward_input_dtype()
+        if input_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), input_dtype)
         return args, kwargs
 
     def post_forward(

@@ -105,14 +105,7 @@ class ShardedParam:
                     device=shard_device,
                     pin_memory=pin_memory and shard_device.type == "cpu",
                 ).copy_(local)
-            dt = DTensor.from_local(
-                local,
-                info.mesh,
-                info.placements(shard_dim),
-                run_check=False,
-                shape=self.orig_size,
-                stride=_contiguous_stride(self.orig_size),
-            )
+            dt = self._dtensor_from_local(local)
         self.sharded_param = nn.Parameter(dt, requires_grad=param.requires_grad)
         self._local: torch.Tensor = local
 
@@ -157,22 +150,32 @@ class ShardedParam:
                 current = nn.Parameter(current, requires_grad=self.requires_grad)
             self.sharded_param = current
         with torch.no_grad():
-            self._local = _as_dtensor(self.sharded_param, self.fqn).to_local()
+            local = _as_dtensor(self.sharded_param, self.fqn).to_local()
+            if self.shard_device.type == "cpu" and local.device.type not in ("cpu", "meta"):
+                # e.g. to_empty(device="cuda") on a CPU-offloaded module: shards stay on CPU
+                local = local.cpu()
+                self.sharded_param = nn.Parameter(
+                    self._dtensor_from_local(local), requires_grad=self.requires_grad
+                )
+            self._local = local
         self.register(self.sharded_param)
+
+    def _dtensor_from_local(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.info.mesh,
+            self.info.placements(self.shard_dim),
+            run_check=False,
+            shape=self.orig_size,
+            stride=_contiguous_stride(self.orig_size),
+        )
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add ``local_grad`` (this rank's reduced rows) into the sharded DTensor's ``.grad``."""
         local_grad = local_grad.to(dtype=self.orig_dtype, device=self._local.device)
         grad = self.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = DTensor.from_local(
-                local_grad,
-                self.info.mesh,
-                self.info.placements(self.shard_dim),
-                run_check=False,
-                shape=self.orig_size,
-                stride=_contiguous_stride(self.orig_size),
-            )
+            self.sharded_param.grad = self._dtensor_from_local(local_grad)
         else:
             # Under no_grad, to_local() is the DTensor's own local tensor: add in place.
             _as_dtensor(grad, self.fqn).to_local().add_(local_grad)
@@ -248,10 +251,14 @@ class ShardedParam:
             return kept
         return kept.add_(grad)
 
-    def keep_unsharded_grad(self) -> None:
-        """Gradient sync is off: move this backward's gradient into the kept accumulator."""
+    def keep_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """Gradient sync is off: move this backward's gradient into the kept accumulator.
+
+        The sum is kept in ``dtype`` (the reduce dtype), so accumulating many bf16 micro-batch
+        gradients does not round at every step when the reduction is in fp32.
+        """
         grad = self.take_unsharded_grad()
-        self.unsharded_accumulated_grad = grad
+        self.unsharded_accumulated_grad = None if grad is None else grad.to(dtype)
 
     def reduce_scatter_view(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad`` (full shape) as ``(W, padded_numel)`` in ``dtype``: rank r's chunk in row r."""

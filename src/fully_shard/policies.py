@@ -13,7 +13,7 @@ question                                           answered by
 dtype of the all-gather and of forward/backward    ``MixedPrecisionPolicy.compute_dtype``
 dtype of the gradient reduce-scatter               ``MixedPrecisionPolicy.reduce_dtype_for``
 dtype the module's outputs are cast to             ``MixedPrecisionPolicy.output_dtype``
-cast floating forward inputs to the compute dtype  ``MixedPrecisionPolicy.cast_forward_inputs``
+dtype floating forward inputs are cast to          ``MixedPrecisionPolicy.forward_input_dtype``
 device the sharded parameters and grads live on    ``OffloadPolicy.shard_device``
 pin the host memory of offloaded shards            ``OffloadPolicy.use_pinned_memory``
 =================================================  ==========================================
@@ -93,6 +93,10 @@ class MixedPrecisionPolicy:
         if self.reduce_dtype is not None:
             return self.reduce_dtype
         return self.compute_dtype(orig_dtype)
+
+    def forward_input_dtype(self) -> torch.dtype | None:
+        """The dtype floating-point forward inputs are cast to, or ``None`` to leave them."""
+        return self.param_dtype if self.cast_forward_inputs else None
 
 
 @dataclass(frozen=True)
