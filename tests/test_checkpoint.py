@@ -8,12 +8,12 @@ state back. ``model.state_dict()`` round trips in place, and the full state dict
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from harness import mesh_1d, run_distributed
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
+from harness import mesh_1d, run_distributed
 
 DIMS = [7, 13, 1, 5, 3]
 
@@ -32,7 +33,7 @@ DIMS = [7, 13, 1, 5, 3]
 def _build() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        *[nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(DIMS, DIMS[1:], strict=False)]
+        *[nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(DIMS)]
     )
 
 
@@ -72,9 +73,7 @@ def _train_and_save(path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch
     )
 
 
-def _load(
-    path: str, sharded: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _load(path: str, sharded: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = _build()
     # Different values than the checkpoint, so a load that does nothing fails the comparison.
     with torch.no_grad():

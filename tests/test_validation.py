@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import mesh_1d, run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -31,6 +30,7 @@ from fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from harness import mesh_1d, run_distributed
 
 
 class Net(nn.Module):
@@ -371,8 +371,12 @@ def _run_setup_case(index: int) -> None:
         assert word in str(info.value), f"{case.name}: {word!r} not in {info.value}"
 
 
-ADDED_PARAM = {"parameters on different devices", "parameters of different dtypes",
-               "a 0-dim parameter", "a parameter that is already a DTensor"}
+ADDED_PARAM = {
+    "parameters on different devices",
+    "parameters of different dtypes",
+    "a 0-dim parameter",
+    "a parameter that is already a DTensor",
+}
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])

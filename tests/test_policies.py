@@ -1,0 +1,301 @@
+"""Mixed precision and offload policies: what is cast where, what moves, what it costs.
+
+The sharded parameters stay fp32 master weights; shards are cast to ``param_dtype`` before the
+all-gather; gradients are reduced in ``reduce_dtype`` and land in fp32. A bf16 run is compared
+twice: loosely against a pure fp32 reference, and tightly (1e-6) against an unsharded
+reference that applies the same casts by hand, rank slice by rank slice.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fully_shard import (
+    CountingComm,
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from harness import mesh_1d, run_distributed
+from models import MLPStack
+
+DIMS = [8, 24, 24, 6]
+BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _build() -> MLPStack:
+    torch.manual_seed(0)
+    return MLPStack(DIMS, activation="tanh")
+
+
+def _shard(
+    model: MLPStack,
+    block_mp: MixedPrecisionPolicy,
+    root_mp: MixedPrecisionPolicy,
+    offload: OffloadPolicy | None = None,
+) -> FSDPModule:
+    mesh = mesh_1d()
+    kw = {} if offload is None else {"offload_policy": offload}
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=block_mp, **kw)
+    root = fully_shard(model, mesh=mesh, mp_policy=root_mp, **kw)
+    assert isinstance(root, FSDPModule)
+    return root
+
+
+def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4 * world, DIMS[0], generator=gen), torch.randn(
+        4 * world, DIMS[-1], generator=gen
+    )
+
+
+def _mine(t: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out.float() - target).square().mean()
+
+
+def _mixed_precision_run(steps: int) -> dict[str, float]:
+    world = dist.get_world_size()
+    model = _build()
+    fp32_ref = copy.deepcopy(model)
+    cast_ref = copy.deepcopy(model)  # fp32 masters, bf16 compute applied by hand
+    root = _shard(
+        model,
+        BF16_FP32,
+        MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        ),
+    )
+
+    seen: list[tuple[torch.dtype, bool]] = []
+
+    def record(module: nn.Module, args: object) -> None:
+        w = module.linear.weight
+        seen.append((w.dtype, isinstance(w, DTensor)))
+
+    model.layers[1].register_forward_pre_hook(record)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fp32_opt = torch.optim.AdamW(fp32_ref.parameters(), lr=1e-3)
+    cast_opt = torch.optim.AdamW(cast_ref.parameters(), lr=1e-3)
+    worst = {"vs_fp32_loss": 0.0, "vs_cast_loss": 0.0, "vs_cast_param": 0.0}
+    for step in range(steps):
+        x, y = _batch(step, world)
+        out = root(_mine(x))
+        assert out.dtype == torch.float32  # output_dtype
+        loss = _mse(out, _mine(y))
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
+
+        fp32_loss = _mse(fp32_ref(x), y)
+        fp32_loss.backward()
+
+        # The same casts by hand: each rank's slice through a bf16 copy, fp32 grads averaged.
+        n = x.shape[0] // world
+        cast_loss = torch.zeros(())
+        grads = {name: torch.zeros_like(p) for name, p in cast_ref.named_parameters()}
+        for r in range(world):
+            low = copy.deepcopy(cast_ref).to(torch.bfloat16)
+            loss_r = _mse(low(x[r * n : (r + 1) * n].bfloat16()), y[r * n : (r + 1) * n])
+            loss_r.backward()
+            cast_loss += loss_r.detach() / world
+            for name, p in low.named_parameters():
+                grads[name] += p.grad.float()
+        for name, p in cast_ref.named_parameters():
+            p.grad = grads[name] / world
+
+        worst["vs_fp32_loss"] = max(
+            worst["vs_fp32_loss"], abs(mean_loss.item() - fp32_loss.item()) / fp32_loss.item()
+        )
+        worst["vs_cast_loss"] = max(worst["vs_cast_loss"], abs(mean_loss.item() - cast_loss.item()))
+        for (name, p), rp in zip(model.named_parameters(), cast_ref.parameters(), strict=True):
+            assert isinstance(p, DTensor) and p.dtype == torch.float32, name
+            assert isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-6, rtol=0)
+        for o in (opt, fp32_opt, cast_opt):
+            o.step()
+            o.zero_grad()
+    for p, rp in zip(model.parameters(), cast_ref.parameters(), strict=True):
+        diff = (p.full_tensor() - rp).abs().max().item()
+        worst["vs_cast_param"] = max(worst["vs_cast_param"], diff)
+    assert seen and all(s == (torch.bfloat16, False) for s in seen), seen
+    return worst
+
+
+def test_bf16_compute_fp32_reduce_tracks_references() -> None:
+    for worst in run_distributed(_mixed_precision_run, 2, 20):
+        assert worst["vs_cast_loss"] <= 1e-6, worst
+        assert worst["vs_cast_param"] <= 1e-6, worst
+        # bf16 keeps ~3 significant digits; the loss stays within 2% of the fp32 run.
+        assert worst["vs_fp32_loss"] <= 2e-2, worst
+
+
+def _all_gather_bytes(param_dtype: torch.dtype | None) -> dict[str, int]:
+    model = _build()
+    root = _shard(
+        model,
+        MixedPrecisionPolicy(param_dtype=param_dtype),
+        MixedPrecisionPolicy(param_dtype=param_dtype),
+    )
+    comm = CountingComm()
+    root.set_comm(comm)
+    x, y = _batch(0, dist.get_world_size())
+    _mse(root(_mine(x)), _mine(y)).backward()
+    dtypes = {r.dtype for r in comm.records if r.op == "all_gather"}
+    assert dtypes == {param_dtype or torch.float32}, dtypes
+    return comm.bytes_by_op()
+
+
+def test_bf16_halves_all_gather_bytes() -> None:
+    fp32 = run_distributed(_all_gather_bytes, 3, None)[0]
+    bf16 = run_distributed(_all_gather_bytes, 3, torch.bfloat16)[0]
+    assert bf16["all_gather"] * 2 == fp32["all_gather"]
+    assert bf16["reduce_scatter"] * 2 == fp32["reduce_scatter"]  # reduce_dtype follows
+
+
+def _grad_error(reduce_dtype: torch.dtype) -> float:
+    """L2 distance of one backward's bf16-computed gradients from the fp32 gradients."""
+    world = dist.get_world_size()
+    model = _build()
+    ref = copy.deepcopy(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    root = _shard(model, mp, mp)
+    x, y = _batch(7, world)
+    _mse(root(_mine(x)), _mine(y)).backward()
+    _mse(ref(x), y).backward()
+    err = 0.0
+    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+        err += (p.grad.full_tensor() - rp.grad).square().sum().item()
+    return err**0.5
+
+
+def test_fp32_reduction_is_closer_than_bf16() -> None:
+    err_fp32 = run_distributed(_grad_error, 4, torch.float32)[0]
+    err_bf16 = run_distributed(_grad_error, 4, torch.bfloat16)[0]
+    assert err_fp32 < err_bf16, (err_fp32, err_bf16)
+
+
+def _per_group_policies() -> None:
+    # bf16 for the blocks, fp32 (no policy) for the root's own parameters.
+    model = _build()
+    model.head = nn.Linear(DIMS[-1], 3)
+    orig_forward = model.forward
+    model.forward = lambda x: model.head(orig_forward(x).float())  # type: ignore[method-assign]
+    mesh = mesh_1d()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=BF16_FP32)
+    fully_shard(model, mesh=mesh)
+    dtypes: dict[str, torch.dtype] = {}
+    model.layers[0].register_forward_pre_hook(
+        lambda m, a: dtypes.__setitem__("block", m.linear.weight.dtype)
+    )
+    model.head.register_forward_pre_hook(lambda m, a: dtypes.__setitem__("head", m.weight.dtype))
+    model(torch.randn(4, DIMS[0])).sum().backward()
+    assert dtypes == {"block": torch.bfloat16, "head": torch.float32}
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.isfinite(p.grad.full_tensor()).all(), name
+
+
+def test_different_policies_per_group() -> None:
+    run_distributed(_per_group_policies, 2)
+
+
+@dataclass(frozen=True)
+class GatherFp16ReduceFp32(MixedPrecisionPolicy):
+    """A custom policy: answers the engine's questions in code instead of fields."""
+
+    def compute_dtype(self, orig_dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if orig_dtype == torch.float32 else orig_dtype
+
+    def reduce_dtype_for(self, orig_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def forward_input_dtype(self) -> torch.dtype | None:
+        return torch.float16
+
+
+def _custom_policy() -> None:
+    model = _build()
+    policy = GatherFp16ReduceFp32()
+    root = _shard(model, policy, policy)
+    comm = CountingComm()
+    root.set_comm(comm)
+    seen = []
+    model.layers[0].register_forward_pre_hook(
+        lambda m, args: seen.append((m.linear.weight.dtype, args[0].dtype))
+    )
+    _mse(root(torch.randn(4, DIMS[0])), torch.randn(4, DIMS[-1])).backward()
+    assert seen == [(torch.float16, torch.float16)]
+    assert {r.dtype for r in comm.records if r.op == "all_gather"} == {torch.float16}
+    assert {r.dtype for r in comm.records if r.op == "reduce_scatter"} == {torch.float32}
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_custom_policy_changes_answers() -> None:
+    run_distributed(_custom_policy, 2)
+
+
+def _default_policy_is_free() -> None:
+    model = _build()
+    root = _shard(model, MixedPrecisionPolicy(), MixedPrecisionPolicy())
+    comm = CountingComm()
+    root.set_comm(comm)
+    x = torch.randn(4, DIMS[0])
+    received = []
+    model.layers[0].register_forward_pre_hook(lambda m, args: received.append(args[0]))
+    root(x).sum().backward()
+    assert received[0] is x  # no cast, not even a copy
+    assert {r.dtype for r in comm.records} == {torch.float32}
+
+
+def test_default_policy_casts_nothing() -> None:
+    run_distributed(_default_policy_is_free, 2)
+
+
+def _offload_run(offload: bool) -> dict[str, torch.Tensor]:
+    model = _build()
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    root = _shard(model, MixedPrecisionPolicy(), MixedPrecisionPolicy(), offload=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    world = dist.get_world_size()
+    for step in range(3):
+        x, y = _batch(step, world)
+        _mse(root(_mine(x)), _mine(y)).backward()
+        if step < 2:
+            opt.step()
+            opt.zero_grad()
+    for p in model.parameters():
+        assert p.to_local().device.type == "cpu"
+        assert p.grad.to_local().device.type == "cpu"
+        for value in opt.state[p].values():
+            if isinstance(value, DTensor):
+                assert value.to_local().device.type == "cpu"
+    out = {f"p{i}": p.full_tensor() for i, p in enumerate(model.parameters())}
+    out.update({f"g{i}": p.grad.full_tensor() for i, p in enumerate(model.parameters())})
+    return out
+
+
+def test_cpu_offload_matches_no_offload() -> None:
+    # On this CPU-only machine the compute device is the CPU too: what is checked is that the
+    # policy keeps every piece of sharded state on the CPU and changes no number.
+    plain = run_distributed(_offload_run, 2, False)[0]
+    offloaded = run_distributed(_offload_run, 2, True)[0]
+    for key, value in plain.items():
+        torch.testing.assert_close(offloaded[key], value, rtol=0, atol=0, msg=key)
