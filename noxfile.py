@@ -1,0 +1,68 @@
+"""Developer and CI sessions: ``python3 -m nox -s tests`` (see README.md).
+
+Every session installs with ``-c constraints.txt``, which pins torch to the CPU build this
+project is tested against (so no session can pull a multi-gigabyte CUDA wheel) and pins the
+linters, so that a new ruff or mypy release cannot fail CI on unchanged code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+
+CONSTRAINTS = ("-c", "constraints.txt")
+LINTED = ("src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+def _existing(paths: tuple[str, ...]) -> list[str]:
+    """The paths that exist: ruff errors on a missing one, and some land later."""
+    return [p for p in paths if Path(p).exists()]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite; extra arguments go to pytest (``nox -s tests -- -k harness``)."""
+    session.install("-e", ".[test]", *CONSTRAINTS)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting, checked, not applied."""
+    session.install("ruff", *CONSTRAINTS)
+    paths = _existing(LINTED)
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy in strict mode on the library (configured in pyproject.toml)."""
+    session.install("-e", ".", "mypy", *CONSTRAINTS)
+    session.run("mypy", "src")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/; warnings are errors."""
+    # mkdocstrings reads src/ statically: the package and torch need not be installed.
+    session.install("mkdocs", "mkdocs-material", "mkdocstrings[python]", "ruff", *CONSTRAINTS)
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The training benchmark; extra arguments go to it (``nox -s bench -- --steps 50``)."""
+    session.install("-e", ".", *CONSTRAINTS)
+    session.run("python", "benchmarks/bench_train.py", "--size", "small", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The end-to-end demo: ``python -m fully_shard.demo``."""
+    session.install("-e", ".", *CONSTRAINTS)
+    session.run("python", "-m", "fully_shard.demo", *session.posargs)
