@@ -102,6 +102,7 @@ class ParamGroup:
         self._ag_output: torch.Tensor | None = None  # (W * total,) only while UNSHARDING
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         self._pending_reduce: _PendingReduce | None = None
+        self._initialized = False
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
@@ -119,7 +120,14 @@ class ParamGroup:
     # -- lifecycle --------------------------------------------------------------------------
 
     def lazy_init(self) -> None:
-        """Adopt parameters ``_apply`` replaced and create the unsharded parameter objects."""
+        """Adopt parameters ``_apply`` replaced and create the unsharded parameter objects.
+
+        Runs once: a second root's lazy init (a submodule ran or was unsharded alone first)
+        must not free a group that is gathered right now.
+        """
+        if self._initialized:
+            return
+        self._initialized = True
         for p in self.params:
             p.sync_with_module()
             if p.local_shard.device.type == "meta":

@@ -130,7 +130,9 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.is_last_backward = True
-        self._forward_depth = 0  # forwards of this group's modules in flight (nesting, lists)
+        self._forward_depth = 0  # forwards of this group's modules in flight (nesting)
+        self._modules_to_run: set[int] = set()  # modules of the group yet to run this forward
+        self._outputs_hooked = 0  # outputs given a pre-backward hook in this forward
         self._ran_forward = False  # since the last end of backward
         self._grads_ready = 0
         self._grads_expected = sum(1 for p in group.params if p.requires_grad)
@@ -211,12 +213,16 @@ class FSDPState:
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
             return args, kwargs
-        self._forward_depth += 1
-        if self._forward_depth == 1:
+        if self._forward_depth == 0 and not self._modules_to_run:
+            # The group's forward starts with the first of its modules and ends when every
+            # module has run (a list group is gathered once, not once per module).
+            self._modules_to_run = {id(m) for m in self.modules}
+            self._outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
             self._ran_forward = True
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
+        self._forward_depth += 1
         input_dtype = self.group.config.mp_policy.forward_input_dtype()
         if input_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), input_dtype)
@@ -229,18 +235,17 @@ class FSDPState:
         if ctx is None or ctx.in_backward:
             return output
         self._forward_depth -= 1
-        if self._forward_depth > 0:
-            return output
-        hooked = 0
+        self._modules_to_run.discard(id(module))
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
-                    hooked += 1
-        # Without an output that needs grad no backward will come to free the parameters.
-        if self.reshard_after_forward or hooked == 0:
-            self.group.reshard()
-        self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
+                    self._outputs_hooked += 1
+        if self._forward_depth == 0 and not self._modules_to_run:
+            # Without an output that needs grad no backward will come to free the parameters.
+            if self.reshard_after_forward or self._outputs_hooked == 0:
+                self.group.reshard()
+            self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
         out_dtype = self.group.config.mp_policy.output_dtype
         if out_dtype is not None:
             output = _cast_floating(output, out_dtype)
@@ -315,6 +320,7 @@ class FSDPState:
             state.group.discard_iteration_state()
             state.phase = Phase.IDLE
             state._forward_depth = 0
+            state._modules_to_run = set()
             state._ran_forward = False
             state._grads_ready = 0
         if self.root is not None:
