@@ -390,10 +390,12 @@ def test_forward_sees_plain_full_tensors_outside_dtensors() -> None:
 def _reshard_after_forward(flag: bool | None) -> None:
     model, _, comm = _setup(reshard_after_forward=flag)
     groups = _groups(model)
-    # None: False for the root, True for the others.
-    frees = [flag if flag is not None else not g._fsdp_state.is_root for g in groups]
     _, x = _batch()
     out = model(x)
+    # None: False for the root, True for the others. Which group is the root is only known
+    # after lazy init (the first forward), so this is read after it.
+    assert [g._fsdp_state.is_root for g in groups] == [g is model for g in groups]
+    frees = [flag if flag is not None else not g._fsdp_state.is_root for g in groups]
     _expect(
         "[_residency(g) for g in groups]",
         [_residency(g) for g in groups],
@@ -413,21 +415,7 @@ def _reshard_after_forward(flag: bool | None) -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "flag",
-    [
-        True,
-        False,
-        pytest.param(
-            None,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known engine bug, under investigation: with reshard_after_forward=None "
-                "the root group is still gathered on rank 1 after backward",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("flag", [True, False, None])
 def test_reshard_after_forward_decides_what_backward_gathers(flag: bool | None) -> None:
     run_distributed(_reshard_after_forward, 2, flag)
 
