@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._compat import queue_end_of_backward
 from .errors import FullyShardStateError
 from .group import ParamGroup
 
@@ -49,13 +50,6 @@ _PHASES: dict[Phase, frozenset[Phase]] = {
     Phase.PRE_BACKWARD: frozenset({Phase.POST_BACKWARD, Phase.IDLE}),
     Phase.POST_BACKWARD: frozenset({Phase.IDLE, Phase.PRE_BACKWARD}),
 }
-
-
-def _queue_end_of_backward(callback: Callable[[], None]) -> None:
-    # The one private torch API we use: the autograd engine's queue of callbacks that run once
-    # the current backward pass has finished. No public API says "backward is over" (a hook on
-    # the inputs misses backward passes whose inputs need no grad). Tried on torch 2.6-2.13.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -257,7 +251,7 @@ class FSDPState:
         ctx = self.ensure_initialized()
         if not ctx.callback_queued:
             root = next(s for s in ctx.states if s.is_root)
-            _queue_end_of_backward(root._end_of_backward)
+            queue_end_of_backward(root._end_of_backward)
             ctx.callback_queued = True
             ctx.in_backward = True
         return ctx
