@@ -96,8 +96,6 @@ class ParamGroup:
         self.compute_dtype = params[0].compute_dtype if params else torch.float32
         self._split_numels = [p.padded_numel for p in params]
         self._total = sum(self._split_numels)
-        self._ag_input: torch.Tensor | None = None  # (total,) persistent, padding kept zero
-        self._ag_slots: list[torch.Tensor] = []
         self._unshard_work: dist.Work | None = None
         self._ag_output: torch.Tensor | None = None  # (W * total,) only while UNSHARDING
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
@@ -148,20 +146,21 @@ class ParamGroup:
         self._transition(GroupState.UNSHARDING, "unshard()")
         if not self.params:
             return
-        if self._ag_input is None:
-            self._ag_input = torch.zeros(
-                self._total, dtype=self.compute_dtype, device=self.info.device
-            )
-            flats = torch.split(self._ag_input, self._split_numels)
-            self._ag_slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
         for p in self.params:
             p.alloc_storage()
-        copy_in(self._ag_slots, [p.local_shard for p in self.params])
-        self._ag_output = torch.empty(
+        # In place: this rank's input is its own slice of the output, so no separate input
+        # buffer exists. Padding rows are left unwritten: they land in the storage's padding,
+        # which no parameter view covers.
+        output = torch.empty(
             self._total * self.info.shard_size, dtype=self.compute_dtype, device=self.info.device
         )
+        flat_in = output.narrow(0, self.info.shard_rank * self._total, self._total)
+        flats = torch.split(flat_in, self._split_numels)
+        slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
+        copy_in(slots, [p.local_shard for p in self.params])
+        self._ag_output = output
         self._unshard_work = self.comm.all_gather(
-            self._ag_output, self._ag_input, self.info.shard_group, async_op
+            output, flat_in, self.info.shard_group, async_op
         )
 
     def wait_for_unshard(self) -> None:

@@ -16,6 +16,14 @@ iteration). Hooks, in the order one training step meets them:
 
 Activation checkpointing re-runs forwards inside backward; the hooks see ``in_backward`` and
 only make sure the parameters are gathered.
+
+Prefetch: the first iteration records the order in which groups start and finish their
+forward. From then on a group that starts its forward issues the next group's all-gather
+asynchronously (it runs while this group computes), and a group that starts its backward does
+the same for the group whose forward finished just before its own (backward runs in reverse).
+``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the implicit
+choice with explicit lists (an empty list turns prefetching off for that group). Every rank
+records the same order, so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._compat import queue_end_of_backward
 from .errors import FullyShardStateError
-from .group import ParamGroup
+from .group import GroupState, ParamGroup
 
 
 class Phase(enum.Enum):
@@ -97,6 +105,11 @@ class RootContext:
     callback_queued: bool = False
     # The one group whose reduce-scatter may still be in flight (bounds gradient memory).
     reducing: ParamGroup | None = None
+    # Recorded during the first forward, for implicit prefetching.
+    forward_order: list[FSDPState] = field(default_factory=list)  # by forward start
+    post_forward_order: list[FSDPState] = field(default_factory=list)  # by forward end
+    order_recorded: bool = False
+    forward_iter: int = 0  # root forwards started so far
 
 
 class FSDPState:
@@ -132,6 +145,11 @@ class FSDPState:
         self._grads_expected = sum(1 for p in group.params if p.requires_grad)
         self._grad_hooks: list[RemovableHandle] = []
         self._module_hooks: list[RemovableHandle] = []
+        # Explicit prefetch targets (None: the recorded order decides).
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._prefetched = False  # gathered ahead of use by another group's hook
+        self._forward_iter = -1  # the root forward in which this group's forward last ran
 
     def __repr__(self) -> str:
         return f"FSDPState(root={self.is_root}, {self.phase.name}, {self.group!r})"
@@ -214,8 +232,15 @@ class FSDPState:
             self._outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
             self._ran_forward = True
-            self.group.unshard(async_op=False)
+            self._prefetched = False
+            if self.is_root:
+                ctx.forward_iter += 1
+            self._forward_iter = ctx.forward_iter
+            if not ctx.order_recorded and self not in ctx.forward_order:
+                ctx.forward_order.append(self)
+            self.group.unshard(async_op=False)  # a no-op if prefetched: already in flight
             self.group.wait_for_unshard()
+            self._prefetch(self._forward_targets(ctx), backward=False)
         self._forward_depth += 1
         input_dtype = self.group.config.mp_policy.forward_input_dtype()
         if input_dtype is not None:
@@ -240,6 +265,11 @@ class FSDPState:
             if self.reshard_after_forward or self._outputs_hooked == 0:
                 self.group.reshard()
             self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
+            if not ctx.order_recorded and self not in ctx.post_forward_order:
+                ctx.post_forward_order.append(self)
+            if self.is_root:
+                ctx.order_recorded = True
+                self._release_unused_prefetches(ctx)
         out_dtype = self.group.config.mp_policy.output_dtype
         if out_dtype is not None:
             output = _cast_floating(output, out_dtype)
@@ -260,8 +290,55 @@ class FSDPState:
         self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
             self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
+            self._prefetched = False
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
+            self._prefetch(self._backward_targets(self.ensure_initialized()), backward=True)
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def _forward_targets(self, ctx: RootContext) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = ctx.forward_order
+        if not ctx.order_recorded or self not in order:
+            return []
+        i = order.index(self)
+        return order[i + 1 : i + 2]
+
+    def _backward_targets(self, ctx: RootContext) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = ctx.post_forward_order
+        if not ctx.order_recorded or self not in order:
+            return []
+        i = order.index(self)
+        return order[i - 1 : i] if i > 0 else []
+
+    def _prefetch(self, targets: list[FSDPState], *, backward: bool) -> None:
+        """Issue the all-gathers of ``targets`` without waiting; their own hooks wait."""
+        for target in targets:
+            if target is self or target.group.state is not GroupState.SHARDED:
+                continue
+            # Only a group that will still run in this pass: in forward, one whose forward has
+            # not run in this root forward; in backward, one that ran forward and has not
+            # started its backward.
+            if target.phase is not Phase.IDLE:
+                continue
+            if backward and not target._ran_forward:
+                continue
+            ctx = target.root
+            if not backward and ctx is not None and target._forward_iter == ctx.forward_iter:
+                continue
+            target.group.unshard(async_op=True)
+            target._prefetched = True
+
+    def _release_unused_prefetches(self, ctx: RootContext) -> None:
+        # A prefetched group whose forward did not run this time (control flow changed).
+        for state in ctx.states:
+            if state._prefetched and state._forward_iter != ctx.forward_iter:
+                state.group.reshard()
+                state._prefetched = False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._ensure_end_of_backward_callback()
@@ -300,6 +377,7 @@ class FSDPState:
             if state.group.config.reshard_after_backward:
                 state.group.reshard()
             state._set_phase(Phase.IDLE, "end of backward")
+            state._prefetched = False
             state._ran_forward = False
             state._grads_ready = 0
         ctx.in_backward = False
@@ -316,6 +394,7 @@ class FSDPState:
             state._forward_depth = 0
             state._modules_to_run = set()
             state._ran_forward = False
+            state._prefetched = False
             state._grads_ready = 0
         if self.root is not None:
             self.root.in_backward = False
