@@ -146,8 +146,6 @@ class ParamGroup:
         self._transition(GroupState.UNSHARDING, "unshard()")
         if not self.params:
             return
-        for p in self.params:
-            p.alloc_storage()
         # In place: this rank's input is its own slice of the output, so no separate input
         # buffer exists. Padding rows are left unwritten: they land in the storage's padding,
         # which no parameter view covers.
@@ -159,9 +157,7 @@ class ParamGroup:
         slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
         copy_in(slots, [p.local_shard for p in self.params])
         self._ag_output = output
-        self._unshard_work = self.comm.all_gather(
-            output, flat_in, self.info.shard_group, async_op
-        )
+        self._unshard_work = self.comm.all_gather(output, flat_in, self.info.shard_group, async_op)
 
     def wait_for_unshard(self) -> None:
         """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
@@ -172,6 +168,10 @@ class ParamGroup:
             self._unshard_work = None
         gathered = self._ag_output
         self._ag_output = None
+        # Allocated only now, not at unshard: a prefetched group in flight holds just the
+        # all-gather output.
+        for p in self.params:
+            p.alloc_storage()
         if gathered is not None:
             world = self.info.shard_size
             if self._all_dim0:

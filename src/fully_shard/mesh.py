@@ -12,6 +12,7 @@ with one placement per root dim; :func:`tp_layout` checks the meshes and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,31 +50,35 @@ class MeshInfo:
     replicate_mesh_dim: int | None
     device: torch.device
 
-    @property
+    # The groups, sizes and ranks below are read on every unshard and reduction; a mesh never
+    # changes, so each is looked up once (cached_property writes the instance dict directly,
+    # which a frozen dataclass allows).
+
+    @functools.cached_property
     def shard_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(self.shard_mesh_dim)
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         return int(self.mesh.size(self.shard_mesh_dim))
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         return int(self.mesh.get_local_rank(self.shard_mesh_dim))
 
-    @property
+    @functools.cached_property
     def replicate_group(self) -> dist.ProcessGroup | None:
         if self.replicate_mesh_dim is None:
             return None
         return self.mesh.get_group(self.replicate_mesh_dim)
 
-    @property
+    @functools.cached_property
     def replicate_size(self) -> int:
         if self.replicate_mesh_dim is None:
             return 1
         return int(self.mesh.size(self.replicate_mesh_dim))
 
-    @property
+    @functools.cached_property
     def dp_size(self) -> int:
         """How many ranks a gradient is averaged over: shard size times replicate size."""
         return self.shard_size * self.replicate_size
