@@ -3,8 +3,8 @@
 The quickstart script, and the one the multi-node recipe launches::
 
     torchrun --standalone --nproc-per-node 2 examples/train.py
-    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29400 --rdzv-id job1 examples/train.py    # node 1: --node-rank 1
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29400 --rdzv-id job1 examples/train.py    # on each of 2 nodes
 """
 
 from __future__ import annotations
