@@ -2,10 +2,11 @@
 
 - Every name in ``fully_shard.__all__`` has a ``::: fully_shard.<name>`` entry in
   ``docs/api.md`` (what mkdocstrings renders) and a docstring with an example.
-- Every script in ``examples/`` (but the shared ``toy.py``) is linked from a docs page and runs
-  to completion on 2 gloo ranks. Each script checks its own claim (no reduction before the
-  last micro-batch, bf16 compute with fp32 master weights, identical outputs after a DCP round
-  trip, ...) and raises when it does not hold; the test also looks for the line that says so.
+- Every script in ``examples/`` (but the shared ``toy.py`` and ``llama.py``) is linked from a
+  docs page and runs to completion on 2 gloo ranks. Each script checks its own claim (no
+  reduction before the last micro-batch, bf16 compute with fp32 master weights, identical
+  outputs after a DCP round trip, ...) and raises when it does not hold; the test also looks
+  for the line that says so.
 
 How the examples are launched. Under ``torchrun`` each one costs three fresh interpreters that
 import torch: 12 s of CPU, 12-26 s on the 2 busy cores of CI, 3 minutes for all nine. So each
@@ -45,13 +46,7 @@ TIMEOUT_S = 90  # seconds; the slowest (torchrun) takes 12-26 s on 2 busy cores
 
 # Public names whose docstring has no example yet (src/ is another developer's): strict xfail,
 # so the test fails as soon as one gains an example and the mark must go.
-NO_EXAMPLE_YET = {
-    "CommRecord",
-    "FullyShardNotImplementedError",
-    "FullyShardStateError",
-    "FullyShardTypeError",
-    "FullyShardValueError",
-}
+NO_EXAMPLE_YET: set[str] = set()
 
 # example -> (extra arguments, a line its output must contain)
 EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
@@ -65,8 +60,11 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_ecosystem.py)
     "compile.py": (["--backend", "aot_eager"], r"step 2: loss \d"),
     "hf_llama.py": ([], r"step 2: loss \d"),
+    # 2 ranks: TP 2 x DP 1 (tests/test_example_2d.py runs 2 x 2 under torchrun)
+    "train_llama_2d.py": (["--steps", "3"], r"max \|2-D - unsharded\| over all parameters"),
 }
 NEEDS = {"hf_llama.py": "transformers"}
+SHARED = {"toy.py", "llama.py"}  # modules the scripts import, not scripts
 
 
 def _api_entries() -> set[str]:
@@ -101,7 +99,7 @@ def test_public_name_has_a_docstring_with_an_example(name: str) -> None:
 
 
 def test_every_example_is_run_here_and_linked_from_the_docs() -> None:
-    scripts = {p.name for p in EXAMPLES.glob("*.py")} - {"toy.py"}
+    scripts = {p.name for p in EXAMPLES.glob("*.py")} - SHARED
     assert scripts == set(EXAMPLES_RUN)
     pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md"))
     unlinked = {s for s in scripts if f"examples/{s}" not in pages}

@@ -101,7 +101,7 @@ def fully_shard(
         mesh: a 1-D mesh (shard) or 2-D mesh (replicate, shard: HSDP). ``None``: a 1-D mesh
             over the default process group. Parameters that are already tensor-parallel
             DTensors on ``root["tp"]`` need ``mesh=root["dp"]`` of the same named 2-D mesh;
-            they become DTensors on ``root`` (see docs/2d.md).
+            they become DTensors on ``root`` (see docs/recipes/2d-meshes.md).
         reshard_after_forward: ``True`` frees the gathered parameters after forward and
             gathers them again for backward (less memory, one more all-gather); ``False``
             keeps them until after backward; ``None``: ``False`` for the root, ``True`` for

@@ -147,6 +147,12 @@ class CommRecord:
 
     ``nbytes`` is the size of this rank's input: the shard for an all-gather, the full flat
     gradient buffer for a reduce-scatter, the tensor for an all-reduce.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard import CommRecord
+        >>> CommRecord("all_gather", torch.float32, 256, 1024).nbytes
+        1024
     """
 
     op: str
