@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import Comm, Waitable, copy_in, copy_out, pack_for_reduce_scatter
+from .collectives import Comm, copy_in, copy_out, pack_for_reduce_scatter
 from .errors import FullyShardStateError
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -63,7 +63,7 @@ class GroupConfig:
 
 @dataclass
 class _PendingReduce:
-    work: Waitable | None
+    work: dist.Work | None
     output: torch.Tensor  # (total,) this rank's summed chunk, in the reduce dtype
     input: torch.Tensor  # (W * total,) kept alive until the collective is done
     params: list[ShardedParam]
