@@ -58,6 +58,13 @@ def _queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def _inside_backward() -> bool:
+    # Private too: -1 when no autograd backward is running in this thread. It tells a
+    # recomputation under activation checkpointing (inside backward) from a forward that finds
+    # the flags of a backward that raised and never reached its end-of-backward callback.
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor in nested tuples, lists, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
@@ -138,6 +145,10 @@ class FSDPState:
         self._grads_expected = sum(1 for p in group.params if p.requires_grad)
         self._grad_hooks: list[RemovableHandle] = []
         self._module_hooks: list[RemovableHandle] = []
+        # (id, version) of each sharded parameter when this group's forward began: an in-place
+        # change before its backward (optimizer.step(), load_state_dict) would pair the forward's
+        # activations with new parameter values, so the backward refuses it.
+        self._forward_versions: list[tuple[int, int]] | None = None
 
     def __repr__(self) -> str:
         return f"FSDPState(root={self.is_root}, {self.phase.name}, {self.group!r})"
@@ -209,6 +220,12 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         ctx = self.ensure_initialized()
+        if ctx.in_backward and not _inside_backward():
+            raise FullyShardStateError(
+                f"forward of {type(module).__name__} came while the previous backward had not "
+                "finished (it raised, e.g. a second backward through a freed graph); call "
+                "reset_iter_state() on the root module before the next forward"
+            )
         if ctx.in_backward:  # recomputation under activation checkpointing
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
@@ -220,6 +237,7 @@ class FSDPState:
             self._outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
             self._ran_forward = True
+            self._forward_versions = self._param_versions()
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
         self._forward_depth += 1
@@ -262,9 +280,26 @@ class FSDPState:
             ctx.in_backward = True
         return ctx
 
+    def _param_versions(self) -> list[tuple[int, int]]:
+        return [(id(p.sharded_param), p.sharded_param._version) for p in self.group.params]
+
+    def _check_unchanged_since_forward(self) -> None:
+        before = self._forward_versions
+        if before is None:
+            return
+        for p, was, now in zip(self.group.params, before, self._param_versions(), strict=True):
+            if was != now:
+                raise FullyShardStateError(
+                    f"backward came for parameter {p.fqn!r}, which was changed in place "
+                    "(optimizer.step(), load_state_dict(), ...) after its forward; the "
+                    "gradient would mix old activations with new values. Step the optimizer "
+                    "after backward; call reset_iter_state() on the root module to recover"
+                )
+
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
+            self._check_unchanged_since_forward()
             self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
@@ -308,6 +343,7 @@ class FSDPState:
             state._set_phase(Phase.IDLE, "end of backward")
             state._ran_forward = False
             state._grads_ready = 0
+            state._forward_versions = None
         ctx.in_backward = False
         ctx.callback_queued = False
 
@@ -323,6 +359,7 @@ class FSDPState:
             state._modules_to_run = set()
             state._ran_forward = False
             state._grads_ready = 0
+            state._forward_versions = None
         if self.root is not None:
             self.root.in_backward = False
             self.root.callback_queued = False
