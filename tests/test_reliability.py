@@ -351,6 +351,29 @@ def _optimizer_step_between(model: Net, replica: Net, comm: CountingComm) -> Non
     _loss(out).backward()
 
 
+def _optimizer_step_while_gathered(model: Net, replica: Net, comm: CountingComm) -> None:
+    # Gathered copies taken before the step (explicit unshard, or reshard_after_backward=False)
+    # must not be what the next forward computes with.
+    gx, x = _batch()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(replica.parameters(), lr=0.1)
+    model.layers[1].set_reshard_after_backward(False)  # type: ignore[operator]
+    for _ in range(2):
+        _loss(model(x)).backward()
+        _loss(replica(gx)).backward()
+        model.layers[0].unshard()  # type: ignore[operator]
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+    model.layers[1].set_reshard_after_backward(True)  # type: ignore[operator]
+    out, ref_out = model(x), replica(gx)
+    torch.testing.assert_close(out, ref_out[dist.get_rank() * ROWS :][:ROWS])
+    _loss(out).backward()
+    _loss(ref_out).backward()
+    _assert_grads(model, replica)
+
+
 def _sync_toggled_mid_backward(model: Net, replica: Net, comm: CountingComm) -> None:
     _, x = _batch()
     model.grad_hook = lambda g: model.set_requires_gradient_sync(False)  # type: ignore[operator]
@@ -390,6 +413,7 @@ MISUSE: dict[str, tuple[Callable[[Net, Net, CountingComm], None], tuple[str, ...
         _optimizer_step_between,
         ("backward came for parameter", "changed in place", "optimizer.step()"),
     ),
+    "optimizer step while gathered": (_optimizer_step_while_gathered, None),
     "set_requires_gradient_sync mid-backward": (
         _sync_toggled_mid_backward,
         ("set_requires_gradient_sync(False) was called during backward",),

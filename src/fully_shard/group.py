@@ -103,6 +103,8 @@ class ParamGroup:
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         self._pending_reduce: _PendingReduce | None = None
         self._initialized = False
+        # (id, version) of each sharded parameter when the gathered copy was taken.
+        self._gathered_versions: list[tuple[int, int]] = []
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
@@ -156,6 +158,7 @@ class ParamGroup:
             self._ag_slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
         for p in self.params:
             p.alloc_storage()
+        self._gathered_versions = self.sharded_versions()
         copy_in(self._ag_slots, [p.local_shard for p in self.params])
         self._ag_output = torch.empty(
             self._total * self.info.shard_size, dtype=self.compute_dtype, device=self.info.device
@@ -185,6 +188,16 @@ class ParamGroup:
         for p in self.params:
             p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+
+    def sharded_versions(self) -> list[tuple[int, int]]:
+        """(id, version counter) of each sharded parameter: changes with every in-place write."""
+        return [(id(p.sharded_param), p.sharded_param._version) for p in self.params]
+
+    def gathered_copy_is_stale(self) -> bool:
+        """Gathered, but a sharded parameter changed since (e.g. an optimizer step)."""
+        return self.state is GroupState.UNSHARDED and self._gathered_versions != (
+            self.sharded_versions()
+        )
 
     def reshard(self) -> None:
         """Free the full parameters and show the sharded DTensors again (no-op if SHARDED)."""

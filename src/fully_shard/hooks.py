@@ -237,7 +237,11 @@ class FSDPState:
             self._outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
             self._ran_forward = True
-            self._forward_versions = self._param_versions()
+            self._forward_versions = self.group.sharded_versions()
+            if self.group.gathered_copy_is_stale():
+                # Gathered before an optimizer step (explicit unshard, reshard_after_backward=
+                # False): every rank stepped, so every rank gathers again.
+                self.group.reshard()
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
         self._forward_depth += 1
@@ -280,14 +284,13 @@ class FSDPState:
             ctx.in_backward = True
         return ctx
 
-    def _param_versions(self) -> list[tuple[int, int]]:
-        return [(id(p.sharded_param), p.sharded_param._version) for p in self.group.params]
-
     def _check_unchanged_since_forward(self) -> None:
         before = self._forward_versions
         if before is None:
             return
-        for p, was, now in zip(self.group.params, before, self._param_versions(), strict=True):
+        for p, was, now in zip(
+            self.group.params, before, self.group.sharded_versions(), strict=True
+        ):
             if was != now:
                 raise FullyShardStateError(
                     f"backward came for parameter {p.fqn!r}, which was changed in place "
