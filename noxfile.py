@@ -66,3 +66,12 @@ def demo(session: nox.Session) -> None:
     """The end-to-end demo: ``python -m fully_shard.demo``."""
     session.install("-e", ".", *CONSTRAINTS)
     session.run("python", "-m", "fully_shard.demo", *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The soak test at full length: 1,000 steps of random flag toggling (100 in ``tests``)."""
+    session.install("-e", ".[test]", *CONSTRAINTS)
+    session.run(
+        "pytest", "tests/test_soak.py", *session.posargs, env={"FULLY_SHARD_SOAK_STEPS": "1000"}
+    )
