@@ -25,8 +25,11 @@ def _existing(paths: tuple[str, ...]) -> list[str]:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite; extra arguments go to pytest (``nox -s tests -- -k harness``)."""
-    session.install("-e", ".[test]", *CONSTRAINTS)
+    """Run the test suite; extra arguments go to pytest (``nox -s tests -- -k harness``).
+
+    ``[hf]`` brings ``transformers`` for the Hugging Face test, which skips without it.
+    """
+    session.install("-e", ".[test,hf]", *CONSTRAINTS)
     session.run("pytest", *session.posargs)
 
 
@@ -50,6 +53,7 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the documentation site into site/; warnings are errors."""
     # mkdocstrings reads src/ statically: the package and torch need not be installed.
+    # (ruff is there because mkdocstrings formats the rendered signatures with it.)
     session.install("mkdocs", "mkdocs-material", "mkdocstrings[python]", "ruff", *CONSTRAINTS)
     session.run("mkdocs", "build", "--strict", *session.posargs)
 

@@ -85,6 +85,7 @@ def _soak(steps: int) -> dict[str, list[int]]:
     live: list[int] = []
     hooks: list[list[int]] = []
     every = max(1, (steps - WARMUP) // SAMPLES)
+    next_sample = WARMUP
     for step in range(steps):
         for m in (model, *model.layers):
             m.set_reshard_after_forward(flags.random() < 0.5, recurse=False)  # type: ignore[operator]
@@ -100,7 +101,10 @@ def _soak(steps: int) -> dict[str, list[int]]:
             optim.zero_grad()
             ref_optim.step()
             ref_optim.zero_grad()
-        if step >= WARMUP and (step - WARMUP) % every == 0:
+        # Measured only right after an optimizer step: between unsynced backward passes the
+        # parked full-size gradients are live by design.
+        if sync and step >= next_sample:
+            next_sample = step + every
             rss.append(_rss_bytes())
             live.append(_live_tensor_bytes())
             hooks.append(_hooks(model))

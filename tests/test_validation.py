@@ -260,8 +260,8 @@ CASES = [
     Case(
         "a parameter that is already a DTensor",
         _dtensor_param,
-        FullyShardNotImplementedError,
-        ("'weight'", "already a DTensor"),
+        FullyShardValueError,
+        ("'weight'", "already a DTensor", "same dims as the fully_shard mesh", 'root["dp"]'),
     ),
 ]
 

@@ -25,7 +25,7 @@ from .errors import (
 )
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
-from .mesh import MeshInfo, default_mesh, mesh_info
+from .mesh import MeshInfo, TPLayout, default_mesh, mesh_info, tp_layout, tp_sharded_dims
 from .module import FSDPModule
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -41,6 +41,7 @@ class _ParamPlan:
     fqn: str
     slots: list[tuple[nn.Module, str]]
     shard_dim: int
+    tp: TPLayout | None  # set for a tensor-parallel DTensor parameter
 
 
 @functools.cache
@@ -98,7 +99,9 @@ def fully_shard(
     Args:
         module: a module, or a list of modules that form one group.
         mesh: a 1-D mesh (shard) or 2-D mesh (replicate, shard: HSDP). ``None``: a 1-D mesh
-            over the default process group.
+            over the default process group. Parameters that are already tensor-parallel
+            DTensors on ``root["tp"]`` need ``mesh=root["dp"]`` of the same named 2-D mesh;
+            they become DTensors on ``root`` (see docs/recipes/2d-meshes.md).
         reshard_after_forward: ``True`` frees the gathered parameters after forward and
             gathers them again for backward (less memory, one more all-gather); ``False``
             keeps them until after backward; ``None``: ``False`` for the root, ``True`` for
@@ -139,7 +142,7 @@ def fully_shard(
             f"got {type(offload_policy).__name__}"
         )
     ignored = _check_ignored(ignored_params, modules)
-    plans = _plan_params(modules, ignored, shard_placement_fn)
+    plans = _plan_params(modules, ignored, shard_placement_fn, info)
     _check_params(plans, info, mp_policy)
 
     # -- every check passed: from here on the module changes --------------------------------
@@ -155,6 +158,7 @@ def fully_shard(
             shard_device,
             pin,
             mp_policy.compute_dtype(plan.param.dtype),
+            plan.tp,
         )
         for plan in plans
     ]
@@ -293,6 +297,7 @@ def _plan_params(
     modules: tuple[nn.Module, ...],
     ignored: set[nn.Parameter],
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    info: MeshInfo,
 ) -> list[_ParamPlan]:
     owned, originals = _owned_elsewhere(modules)
     ignored_ids = {id(p) for p in ignored}
@@ -318,20 +323,32 @@ def _plan_params(
                 if id(p) not in found:
                     found[id(p)] = (p, fqn, [])
                 found[id(p)][2].append((m, name))
+    # One group is gathered by one collective: its DTensor parameters must share one mesh.
+    tp_meshes: dict[DeviceMesh, str] = {}
+    for p, fqn, _ in found.values():
+        if isinstance(p, DTensor):
+            tp_meshes.setdefault(p.device_mesh, fqn)
+    if len(tp_meshes) > 1:
+        (first_mesh, first_fqn), (other_mesh, other_fqn) = list(tp_meshes.items())[:2]
+        raise FullyShardValueError(
+            f"the DTensor parameters of one fully_shard group are on different meshes: "
+            f"{first_fqn!r} on {first_mesh} and {other_fqn!r} on {other_mesh}; parallelize "
+            "the modules of one group on one tensor-parallel mesh, or shard them in separate "
+            "fully_shard calls"
+        )
     plans = []
     for p, fqn, slots in found.values():
-        plans.append(_ParamPlan(p, fqn, slots, _shard_dim(p, fqn, shard_placement_fn)))
+        tp = tp_layout(info, p, fqn) if isinstance(p, DTensor) else None
+        plans.append(_ParamPlan(p, fqn, slots, _shard_dim(p, fqn, shard_placement_fn, tp), tp))
     return plans
 
 
 def _shard_dim(
-    p: nn.Parameter, fqn: str, shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+    p: nn.Parameter,
+    fqn: str,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    tp: TPLayout | None,
 ) -> int:
-    if isinstance(p, DTensor):
-        raise FullyShardNotImplementedError(
-            f"parameter {fqn!r} is already a DTensor (tensor parallel?); composing fully_shard "
-            "with tensor parallelism is not supported yet"
-        )
     if p.dim() == 0:
         raise FullyShardValueError(
             f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape it "
@@ -339,7 +356,12 @@ def _shard_dim(
         )
     placement = None if shard_placement_fn is None else shard_placement_fn(p)
     if placement is None:
-        return 0
+        if tp is None:
+            return 0
+        # The first dim TP leaves whole: plain Shard placements then describe the layout
+        # exactly. A 1-D parameter TP shards (a colwise bias) shares dim 0 with TP.
+        free = [d for d in range(p.dim()) if d not in tp_sharded_dims(tp)]
+        return free[0] if free else 0
     if not isinstance(placement, Shard):
         raise FullyShardTypeError(
             f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; it must return "

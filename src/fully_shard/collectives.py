@@ -20,10 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+
+class Waitable(Protocol):
+    """What an async collective returns: ``wait()`` blocks until its output is ready."""
+
+    def wait(self) -> Any: ...
 
 
 class Comm(Protocol):
@@ -43,7 +49,7 @@ class Comm(Protocol):
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         """Sum ``input`` (W times larger) over ranks; rank r keeps the r-th chunk in ``output``."""
         ...
 
@@ -54,8 +60,41 @@ class Comm(Protocol):
         ...
 
 
+class _AllToAllThenSum:
+    """A reduce-scatter as ``all_to_all_single`` plus a local sum, waited like a ``Work``.
+
+    gloo's own flat reduce-scatter clones its input and all-reduces the whole clone, which
+    sends twice the bytes a reduce-scatter needs. Sending rank r exactly its chunk of every
+    rank's input (all-to-all) and summing the W received chunks here sends ``(W-1)/W`` of the
+    input, as a ring reduce-scatter would; on 2 CPU ranks it took half the time (1-16 MiB).
+    Every rank sums its chunks in rank order, so the result does not depend on timing.
+    """
+
+    def __init__(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> None:
+        self._output = output
+        self._received: torch.Tensor | None = torch.empty_like(input)
+        self._world = input.numel() // max(output.numel(), 1)
+        self._work = dist.all_to_all_single(self._received, input, group=group, async_op=async_op)
+
+    def wait(self) -> bool:
+        received = self._received
+        if received is None:
+            return True
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        torch.sum(received.view(self._world, -1), dim=0, out=self._output)
+        self._received = None
+        return True
+
+
 class TorchComm:
     """The default ``Comm``: ``torch.distributed`` on the mesh's process groups.
+
+    On gloo groups the reduce-scatter is an all-to-all plus a local sum (see
+    ``_AllToAllThenSum``); on NCCL and others it is the backend's own reduce-scatter.
 
     Example:
         >>> comm = TorchComm()
@@ -70,6 +109,7 @@ class TorchComm:
         self._reduce_scatter: Callable[..., dist.Work | None] = (
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         )
+        self._is_gloo: dict[dist.ProcessGroup, bool] = {}
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
@@ -78,7 +118,16 @@ class TorchComm:
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
+        is_gloo = self._is_gloo.get(group)
+        if is_gloo is None:
+            is_gloo = self._is_gloo[group] = str(dist.get_backend(group)).lower() == "gloo"
+        if is_gloo and output.numel() > 0:
+            work = _AllToAllThenSum(output, input, group, async_op)
+            if not async_op:
+                work.wait()
+                return None
+            return work
         return self._reduce_scatter(
             output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
@@ -98,6 +147,12 @@ class CommRecord:
 
     ``nbytes`` is the size of this rank's input: the shard for an all-gather, the full flat
     gradient buffer for a reduce-scatter, the tensor for an all-reduce.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard import CommRecord
+        >>> CommRecord("all_gather", torch.float32, 256, 1024).nbytes
+        1024
     """
 
     op: str
@@ -135,7 +190,7 @@ class CountingComm:
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         self._record("reduce_scatter", input)
         return self.inner.reduce_scatter(output, input, group, async_op)
 

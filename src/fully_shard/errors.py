@@ -27,16 +27,46 @@ class FullyShardError(Exception):
 
 
 class FullyShardTypeError(FullyShardError, TypeError):
-    """An argument of the wrong type, e.g. ``mesh="dp"`` instead of a ``DeviceMesh``."""
+    """An argument of the wrong type, e.g. ``mesh="dp"`` instead of a ``DeviceMesh``.
+
+    Example:
+        >>> from fully_shard import FullyShardTypeError, fully_shard
+        >>> try:  # doctest: +SKIP
+        ...     fully_shard(model, mesh="dp")
+        ... except FullyShardTypeError as e:
+        ...     print(e)  # says what was passed and how to build a mesh
+    """
 
 
 class FullyShardValueError(FullyShardError, ValueError):
-    """An argument of the right type with an unusable value, e.g. ``Shard(3)`` on a 2-D weight."""
+    """An argument of the right type with an unusable value, e.g. ``Shard(3)`` on a 2-D weight.
+
+    Example:
+        >>> from fully_shard import FullyShardValueError
+        >>> issubclass(FullyShardValueError, ValueError)  # caught by `except ValueError` too
+        True
+    """
 
 
 class FullyShardNotImplementedError(FullyShardError, NotImplementedError):
-    """A valid request that this version does not support yet; the message says what to do."""
+    """A valid request that this version does not support yet; the message says what to do.
+
+    Example:
+        >>> from fully_shard import FullyShardNotImplementedError, fully_shard
+        >>> try:  # doctest: +SKIP
+        ...     fully_shard(model, mesh=mesh, reshard_after_forward=2)
+        ... except FullyShardNotImplementedError:
+        ...     fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    """
 
 
 class FullyShardStateError(FullyShardError, RuntimeError):
-    """A call that is not legal in the current state, e.g. ``reshard()`` during backward."""
+    """A call that is not legal in the current state, e.g. ``reshard()`` during backward.
+
+    Example:
+        >>> from fully_shard import FullyShardStateError
+        >>> try:  # doctest: +SKIP
+        ...     loss.backward()
+        ... except FullyShardStateError:
+        ...     model.reset_iter_state()  # then start the iteration again
+    """

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import Comm, copy_in, copy_out, pack_for_reduce_scatter
+from ._compat import version
+from .collectives import Comm, Waitable, copy_in, copy_out, pack_for_reduce_scatter
 from .errors import FullyShardStateError
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -63,7 +64,7 @@ class GroupConfig:
 
 @dataclass
 class _PendingReduce:
-    work: dist.Work | None
+    work: Waitable | None
     output: torch.Tensor  # (total,) this rank's summed chunk, in the reduce dtype
     input: torch.Tensor  # (W * total,) kept alive until the collective is done
     params: list[ShardedParam]
@@ -96,8 +97,6 @@ class ParamGroup:
         self.compute_dtype = params[0].compute_dtype if params else torch.float32
         self._split_numels = [p.padded_numel for p in params]
         self._total = sum(self._split_numels)
-        self._ag_input: torch.Tensor | None = None  # (total,) persistent, padding kept zero
-        self._ag_slots: list[torch.Tensor] = []
         self._unshard_work: dist.Work | None = None
         self._ag_output: torch.Tensor | None = None  # (W * total,) only while UNSHARDING
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
@@ -150,22 +149,19 @@ class ParamGroup:
         self._transition(GroupState.UNSHARDING, "unshard()")
         if not self.params:
             return
-        if self._ag_input is None:
-            self._ag_input = torch.zeros(
-                self._total, dtype=self.compute_dtype, device=self.info.device
-            )
-            flats = torch.split(self._ag_input, self._split_numels)
-            self._ag_slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
-        for p in self.params:
-            p.alloc_storage()
-        self._gathered_versions = self.sharded_versions()
-        copy_in(self._ag_slots, [p.local_shard for p in self.params])
-        self._ag_output = torch.empty(
+        # In place: this rank's input is its own slice of the output, so no separate input
+        # buffer exists. Padding rows are left unwritten: they land in the storage's padding,
+        # which no parameter view covers.
+        output = torch.empty(
             self._total * self.info.shard_size, dtype=self.compute_dtype, device=self.info.device
         )
-        self._unshard_work = self.comm.all_gather(
-            self._ag_output, self._ag_input, self.info.shard_group, async_op
-        )
+        flat_in = output.narrow(0, self.info.shard_rank * self._total, self._total)
+        flats = torch.split(flat_in, self._split_numels)
+        slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
+        self._gathered_versions = self.sharded_versions()
+        copy_in(slots, [p.local_shard for p in self.params])
+        self._ag_output = output
+        self._unshard_work = self.comm.all_gather(output, flat_in, self.info.shard_group, async_op)
 
     def wait_for_unshard(self) -> None:
         """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
@@ -176,6 +172,10 @@ class ParamGroup:
             self._unshard_work = None
         gathered = self._ag_output
         self._ag_output = None
+        # Allocated only now, not at unshard: a prefetched group in flight holds just the
+        # all-gather output.
+        for p in self.params:
+            p.alloc_storage()
         if gathered is not None:
             world = self.info.shard_size
             if self._all_dim0:
@@ -191,7 +191,7 @@ class ParamGroup:
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
-        return [(id(p.sharded_param), p.sharded_param._version) for p in self.params]
+        return [(id(p.sharded_param), version(p.sharded_param)) for p in self.params]
 
     def gathered_copy_is_stale(self) -> bool:
         """Gathered, but a sharded parameter changed since (e.g. an optimizer step)."""

@@ -16,6 +16,14 @@ iteration). Hooks, in the order one training step meets them:
 
 Activation checkpointing re-runs forwards inside backward; the hooks see ``in_backward`` and
 only make sure the parameters are gathered.
+
+Prefetch: the first iteration records the order in which groups start and finish their
+forward. From then on a group that starts its forward issues the next group's all-gather
+asynchronously (it runs while this group computes), and a group that starts its backward does
+the same for the group whose forward finished just before its own (backward runs in reverse).
+``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the implicit
+choice with explicit lists (an empty list turns prefetching off for that group). Every rank
+records the same order, so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._compat import inside_backward, queue_end_of_backward
 from .errors import FullyShardStateError
-from .group import ParamGroup
+from .group import GroupState, ParamGroup
 
 
 class Phase(enum.Enum):
@@ -49,20 +58,6 @@ _PHASES: dict[Phase, frozenset[Phase]] = {
     Phase.PRE_BACKWARD: frozenset({Phase.POST_BACKWARD, Phase.IDLE}),
     Phase.POST_BACKWARD: frozenset({Phase.IDLE, Phase.PRE_BACKWARD}),
 }
-
-
-def _queue_end_of_backward(callback: Callable[[], None]) -> None:
-    # The one private torch API we use: the autograd engine's queue of callbacks that run once
-    # the current backward pass has finished. No public API says "backward is over" (a hook on
-    # the inputs misses backward passes whose inputs need no grad). Tried on torch 2.6-2.13.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def _inside_backward() -> bool:
-    # Private too: -1 when no autograd backward is running in this thread. It tells a
-    # recomputation under activation checkpointing (inside backward) from a forward that finds
-    # the flags of a backward that raised and never reached its end-of-backward callback.
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -110,6 +105,11 @@ class RootContext:
     callback_queued: bool = False
     # The one group whose reduce-scatter may still be in flight (bounds gradient memory).
     reducing: ParamGroup | None = None
+    # Recorded during the first forward, for implicit prefetching.
+    forward_order: list[FSDPState] = field(default_factory=list)  # by forward start
+    post_forward_order: list[FSDPState] = field(default_factory=list)  # by forward end
+    order_recorded: bool = False
+    forward_iter: int = 0  # root forwards started so far
 
 
 class FSDPState:
@@ -149,6 +149,11 @@ class FSDPState:
         # change before its backward (optimizer.step(), load_state_dict) would pair the forward's
         # activations with new parameter values, so the backward refuses it.
         self._forward_versions: list[tuple[int, int]] | None = None
+        # Explicit prefetch targets (None: the recorded order decides).
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._prefetched = False  # gathered ahead of use by another group's hook
+        self._forward_iter = -1  # the root forward in which this group's forward last ran
 
     def __repr__(self) -> str:
         return f"FSDPState(root={self.is_root}, {self.phase.name}, {self.group!r})"
@@ -220,7 +225,7 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         ctx = self.ensure_initialized()
-        if ctx.in_backward and not _inside_backward():
+        if ctx.in_backward and not inside_backward():
             raise FullyShardStateError(
                 f"forward of {type(module).__name__} came while the previous backward had not "
                 "finished (it raised, e.g. a second backward through a freed graph); call "
@@ -242,8 +247,15 @@ class FSDPState:
                 # Gathered before an optimizer step (explicit unshard, reshard_after_backward=
                 # False): every rank stepped, so every rank gathers again.
                 self.group.reshard()
-            self.group.unshard(async_op=False)
+            self._prefetched = False
+            if self.is_root:
+                ctx.forward_iter += 1
+            self._forward_iter = ctx.forward_iter
+            if not ctx.order_recorded and self not in ctx.forward_order:
+                ctx.forward_order.append(self)
+            self.group.unshard(async_op=False)  # a no-op if prefetched: already in flight
             self.group.wait_for_unshard()
+            self._prefetch(self._forward_targets(ctx), backward=False)
         self._forward_depth += 1
         input_dtype = self.group.config.mp_policy.forward_input_dtype()
         if input_dtype is not None:
@@ -268,6 +280,11 @@ class FSDPState:
             if self.reshard_after_forward or self._outputs_hooked == 0:
                 self.group.reshard()
             self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
+            if not ctx.order_recorded and self not in ctx.post_forward_order:
+                ctx.post_forward_order.append(self)
+            if self.is_root:
+                ctx.order_recorded = True
+                self._release_unused_prefetches(ctx)
         out_dtype = self.group.config.mp_policy.output_dtype
         if out_dtype is not None:
             output = _cast_floating(output, out_dtype)
@@ -279,7 +296,7 @@ class FSDPState:
         ctx = self.ensure_initialized()
         if not ctx.callback_queued:
             root = next(s for s in ctx.states if s.is_root)
-            _queue_end_of_backward(root._end_of_backward)
+            queue_end_of_backward(root._end_of_backward)
             ctx.callback_queued = True
             ctx.in_backward = True
         return ctx
@@ -304,8 +321,55 @@ class FSDPState:
         if self.phase is not Phase.PRE_BACKWARD:
             self._check_unchanged_since_forward()
             self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
+            self._prefetched = False
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
+            self._prefetch(self._backward_targets(self.ensure_initialized()), backward=True)
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def _forward_targets(self, ctx: RootContext) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = ctx.forward_order
+        if not ctx.order_recorded or self not in order:
+            return []
+        i = order.index(self)
+        return order[i + 1 : i + 2]
+
+    def _backward_targets(self, ctx: RootContext) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = ctx.post_forward_order
+        if not ctx.order_recorded or self not in order:
+            return []
+        i = order.index(self)
+        return order[i - 1 : i] if i > 0 else []
+
+    def _prefetch(self, targets: list[FSDPState], *, backward: bool) -> None:
+        """Issue the all-gathers of ``targets`` without waiting; their own hooks wait."""
+        for target in targets:
+            if target is self or target.group.state is not GroupState.SHARDED:
+                continue
+            # Only a group that will still run in this pass: in forward, one whose forward has
+            # not run in this root forward; in backward, one that ran forward and has not
+            # started its backward.
+            if target.phase is not Phase.IDLE:
+                continue
+            if backward and not target._ran_forward:
+                continue
+            ctx = target.root
+            if not backward and ctx is not None and target._forward_iter == ctx.forward_iter:
+                continue
+            target.group.unshard(async_op=True)
+            target._prefetched = True
+
+    def _release_unused_prefetches(self, ctx: RootContext) -> None:
+        # A prefetched group whose forward did not run this time (control flow changed).
+        for state in ctx.states:
+            if state._prefetched and state._forward_iter != ctx.forward_iter:
+                state.group.reshard()
+                state._prefetched = False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._ensure_end_of_backward_callback()
@@ -344,6 +408,7 @@ class FSDPState:
             if state.group.config.reshard_after_backward:
                 state.group.reshard()
             state._set_phase(Phase.IDLE, "end of backward")
+            state._prefetched = False
             state._ran_forward = False
             state._grads_ready = 0
             state._forward_versions = None
@@ -361,6 +426,7 @@ class FSDPState:
             state._forward_depth = 0
             state._modules_to_run = set()
             state._ran_forward = False
+            state._prefetched = False
             state._grads_ready = 0
             state._forward_versions = None
         if self.root is not None:

@@ -3,18 +3,30 @@
 A 1-D mesh shards over its only dim. A 2-D mesh is read as ``(replicate, shard)``: parameters
 are placed ``(Replicate(), Shard(d))``, gradients are reduce-scattered over the shard dim and
 all-reduced over the replicate dim (HSDP).
+
+Tensor parallelism: a parameter that is already a DTensor on ``root["tp"]`` is sharded again
+on ``root["dp"]`` (the mesh given to ``fully_shard``). Its sharded DTensor lives on ``root``
+with one placement per root dim; :func:`tp_layout` checks the meshes and
+:func:`combined_placements` writes the placements so that ``full_tensor()`` is exact.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .errors import FullyShardStateError, FullyShardTypeError, FullyShardValueError
+from ._compat import root_mesh, strided_shard
+from .errors import (
+    FullyShardNotImplementedError,
+    FullyShardStateError,
+    FullyShardTypeError,
+    FullyShardValueError,
+)
 
 
 @dataclass(frozen=True)
@@ -38,31 +50,35 @@ class MeshInfo:
     replicate_mesh_dim: int | None
     device: torch.device
 
-    @property
+    # The groups, sizes and ranks below are read on every unshard and reduction; a mesh never
+    # changes, so each is looked up once (cached_property writes the instance dict directly,
+    # which a frozen dataclass allows).
+
+    @functools.cached_property
     def shard_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(self.shard_mesh_dim)
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         return int(self.mesh.size(self.shard_mesh_dim))
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         return int(self.mesh.get_local_rank(self.shard_mesh_dim))
 
-    @property
+    @functools.cached_property
     def replicate_group(self) -> dist.ProcessGroup | None:
         if self.replicate_mesh_dim is None:
             return None
         return self.mesh.get_group(self.replicate_mesh_dim)
 
-    @property
+    @functools.cached_property
     def replicate_size(self) -> int:
         if self.replicate_mesh_dim is None:
             return 1
         return int(self.mesh.size(self.replicate_mesh_dim))
 
-    @property
+    @functools.cached_property
     def dp_size(self) -> int:
         """How many ranks a gradient is averaged over: shard size times replicate size."""
         return self.shard_size * self.replicate_size
@@ -116,3 +132,121 @@ def mesh_info(mesh: object) -> MeshInfo:
         f"mesh of shape {tuple(mesh.shape)}; for tensor parallelism pass the data-parallel "
         'sub-mesh, e.g. mesh["dp"]'
     )
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """A tensor-parallel parameter as it was before we sharded it.
+
+    Attributes:
+        mesh: the 1-D tensor-parallel mesh, a sub-mesh of the same root as the dp mesh.
+        placements: its placement on ``mesh`` (``Shard(k)`` or ``Replicate()``).
+        size: its global shape; ``stride`` the contiguous strides of that shape.
+        root: the 2-D mesh holding both the dp and the tp dims.
+        dp_dim, tp_dim: the indices of the dp and tp dims in ``root``.
+
+    Example:
+        >>> layout = tp_layout(mesh_info(root["dp"]), wq.weight, "wq.weight")  # doctest: +SKIP
+        >>> layout.placements, layout.dp_dim, layout.tp_dim  # doctest: +SKIP
+        ((Shard(dim=0),), 0, 1)
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    size: torch.Size
+    stride: tuple[int, ...]
+    root: DeviceMesh
+    dp_dim: int
+    tp_dim: int
+
+
+def tp_layout(info: MeshInfo, param: DTensor, fqn: str) -> TPLayout:
+    """Check that ``param``'s mesh composes with the dp mesh ``info`` and describe its layout."""
+    tp_mesh = param.device_mesh
+    dp_names = info.mesh.mesh_dim_names
+    tp_names = tp_mesh.mesh_dim_names
+    if info.replicate_mesh_dim is not None:
+        raise FullyShardNotImplementedError(
+            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} and fully_shard was given a 2-D "
+            "(HSDP) mesh; HSDP combined with tensor parallelism (a 3-D mesh) is not supported "
+            'yet: pass the 1-D data-parallel sub-mesh, e.g. mesh=root["dp"]'
+        )
+    if tp_mesh == info.mesh or (dp_names and tp_names and set(dp_names) & set(tp_names)):
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is already a DTensor on mesh {tp_mesh}, placed "
+            f"{tuple(param.placements)}, over the same dims as the fully_shard mesh "
+            f"{info.mesh}; fully_shard shards plain parameters itself: pass the module with "
+            "plain tensors, or parallelize it on another dim of a 2-D "
+            'mesh (tensor parallel on root["tp"], fully_shard on root["dp"])'
+        )
+    if tp_mesh.ndim != 1:
+        raise FullyShardNotImplementedError(
+            f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; fully_shard "
+            "composes with 1-D tensor-parallel meshes only"
+        )
+    root = root_mesh(info.mesh)
+    if dp_names is None or tp_names is None or root_mesh(tp_mesh) is not root:
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a sub-mesh of "
+            f"the same parent as the fully_shard mesh {info.mesh}; build one named 2-D mesh, "
+            'root = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")), '
+            'parallelize with root["tp"] and pass mesh=root["dp"]'
+        )
+    root_names = root.mesh_dim_names
+    if root.ndim != 2 or root_names is None or dp_names[0] == tp_names[0]:
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} and fully_shard got mesh "
+            f"{info.mesh}; they must be the two different dims of one 2-D mesh, got parent "
+            f"{root}"
+        )
+    for placement in param.placements:
+        if not isinstance(placement, (Shard, Replicate)):
+            raise FullyShardValueError(
+                f"parameter {fqn!r} is placed {placement} on its tensor-parallel mesh; only "
+                "Shard(dim) and Replicate() parameters can be sharded further"
+            )
+    size = param.size()
+    return TPLayout(
+        mesh=tp_mesh,
+        placements=tuple(param.placements),
+        size=size,
+        stride=contiguous_stride(size),
+        root=root,
+        dp_dim=root_names.index(dp_names[0]),
+        tp_dim=root_names.index(tp_names[0]),
+    )
+
+
+def tp_sharded_dims(layout: TPLayout) -> set[int]:
+    """The tensor dims tensor parallelism already shards."""
+    return {p.dim for p in layout.placements if isinstance(p, Shard)}
+
+
+def combined_placements(layout: TPLayout, shard_dim: int) -> tuple[Placement, ...]:
+    """The placements on ``layout.root`` of a TP parameter we shard on tensor dim ``shard_dim``.
+
+    DTensor reads placements outer mesh dim first. If TP shards another tensor dim the order
+    does not matter and plain ``Shard`` is exact. If TP shards the same dim, TP split it first
+    and we split TP's local rows: that is plain ``Shard`` when the TP dim is the outer one, and
+    a strided shard over TP's pieces when the dp dim is outer (the usual ``("dp", "tp")``).
+    """
+    tp_placement = layout.placements[0]
+    dp_placement: Placement = Shard(shard_dim)
+    if (
+        isinstance(tp_placement, Shard)
+        and tp_placement.dim == shard_dim
+        and layout.dp_dim < layout.tp_dim
+    ):
+        dp_placement = strided_shard(shard_dim, int(layout.mesh.size()))
+    placements: list[Placement] = [Replicate(), Replicate()]
+    placements[layout.dp_dim] = dp_placement
+    placements[layout.tp_dim] = tp_placement
+    return tuple(placements)
+
+
+def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of shape ``size``."""
+    stride = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        stride[i] = stride[i + 1] * max(size[i + 1], 1)
+    return tuple(stride)

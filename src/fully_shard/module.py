@@ -185,6 +185,52 @@ class FSDPModule(nn.Module):
         """
         self._fsdp_state.is_last_backward = _check_bool("is_last_backward", is_last_backward)
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules`` (asynchronously) as soon as this module's forward starts.
+
+        Replaces the implicit choice (the group whose forward came next in the first
+        iteration). An empty list turns forward prefetching off for this module. Every rank
+        must set the same lists.
+
+        Example:
+            >>> for i, block in enumerate(model.layers[:-1]):  # doctest: +SKIP
+            ...     block.set_modules_to_forward_prefetch([model.layers[i + 1]])
+        """
+        self._fsdp_state.forward_prefetch = self._prefetch_states(
+            "set_modules_to_forward_prefetch", modules
+        )
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules`` (asynchronously) as soon as this module's backward starts.
+
+        Replaces the implicit choice (the group whose forward finished just before this
+        one's). An empty list turns backward prefetching off for this module.
+
+        Example:
+            >>> for i, block in enumerate(model.layers[1:], start=1):  # doctest: +SKIP
+            ...     block.set_modules_to_backward_prefetch([model.layers[i - 1]])
+        """
+        self._fsdp_state.backward_prefetch = self._prefetch_states(
+            "set_modules_to_backward_prefetch", modules
+        )
+
+    def _prefetch_states(self, call: str, modules: object) -> list[FSDPState]:
+        if not isinstance(modules, (list, tuple)):
+            raise FullyShardTypeError(
+                f"{call} expects a list of FSDPModules, got {type(modules).__name__}"
+            )
+        states = []
+        for i, m in enumerate(modules):
+            if not isinstance(m, FSDPModule):
+                raise FullyShardTypeError(
+                    f"{call}: item {i} is a {type(m).__name__}, not a module fully_shard was "
+                    "applied to; pass modules returned by fully_shard"
+                )
+            if m._fsdp_state is self._fsdp_state:
+                raise FullyShardValueError(f"{call}: a module cannot prefetch its own group")
+            states.append(m._fsdp_state)
+        return states
+
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: reshard all, drop partial grads.
 

@@ -23,6 +23,11 @@ so refilling it for backward does not trip autograd's saved-tensor version check
 
 Sharding on another dim ``d`` works the same way with ``c = ceil(P.size(d) / W)`` and the
 padding along ``d``; the unsharded parameter is then a (possibly non-contiguous) narrow view.
+
+A tensor-parallel parameter (a DTensor on ``root["tp"]``) is handled as its TP-local tensor:
+``P`` above is that local tensor, the sharded DTensor lives on ``root`` with the placements of
+:func:`~fully_shard.mesh.combined_placements`, and the unsharded parameter is a DTensor on the
+TP mesh again (``DTensor.from_local`` of the storage view), which is what the TP modules expect.
 """
 
 from __future__ import annotations
@@ -34,20 +39,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .mesh import MeshInfo
+from .mesh import MeshInfo, TPLayout, combined_placements, contiguous_stride
 
 
 def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
     if not isinstance(t, DTensor):
         raise RuntimeError(f"{fqn}: the sharded parameter is not a DTensor (internal error)")
     return t
-
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride = [1] * len(size)
-    for i in range(len(size) - 2, -1, -1):
-        stride[i] = stride[i + 1] * max(size[i + 1], 1)
-    return tuple(stride)
 
 
 class ShardedParam:
@@ -69,13 +67,18 @@ class ShardedParam:
         shard_device: torch.device,
         pin_memory: bool,
         compute_dtype: torch.dtype,
+        tp: TPLayout | None = None,
     ) -> None:
         self.fqn = fqn
         # Every (module, attribute) that refers to this parameter: a tied weight has several.
         self.slots = slots
         self.shard_dim = shard_dim
         self.info = info
-        self.orig_size = param.size()
+        self.tp = tp
+        # What we shard: the parameter itself, or its TP-local tensor.
+        source = param.to_local() if isinstance(param, DTensor) else param
+        self.orig_size = source.size()
+        self.global_size = param.size()
         self.orig_dtype = param.dtype
         self.compute_dtype = compute_dtype
         self.requires_grad = param.requires_grad
@@ -98,7 +101,7 @@ class ShardedParam:
             if param.device.type == "meta":
                 local = torch.empty(self._local_size(), dtype=param.dtype, device="meta")
             else:
-                local = param.detach().narrow(shard_dim, self.offset, self.local_rows)
+                local = source.detach().narrow(shard_dim, self.offset, self.local_rows)
                 local = torch.empty(
                     self._local_size(),
                     dtype=param.dtype,
@@ -161,13 +164,17 @@ class ShardedParam:
         self.register(self.sharded_param)
 
     def _dtensor_from_local(self, local: torch.Tensor) -> DTensor:
+        if self.tp is None:
+            mesh, placements = self.info.mesh, self.info.placements(self.shard_dim)
+        else:
+            mesh, placements = self.tp.root, combined_placements(self.tp, self.shard_dim)
         return DTensor.from_local(
             local,
-            self.info.mesh,
-            self.info.placements(self.shard_dim),
+            mesh,
+            placements,
             run_check=False,
-            shape=self.orig_size,
-            stride=_contiguous_stride(self.orig_size),
+            shape=self.global_size,
+            stride=contiguous_stride(self.global_size),
         )
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
@@ -195,6 +202,16 @@ class ShardedParam:
             self._storage = storage
             self._storage_alias = storage.data
             view = storage.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim])
+            if self.tp is not None:
+                # The TP modules compute with DTensors on the TP mesh; it wraps the same bytes.
+                view = DTensor.from_local(
+                    view,
+                    self.tp.mesh,
+                    self.tp.placements,
+                    run_check=False,
+                    shape=self.tp.size,
+                    stride=self.tp.stride,
+                )
             self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
             return
         untyped = self._storage.untyped_storage()
@@ -243,6 +260,12 @@ class ShardedParam:
         grad = None if param is None else param.grad
         if param is not None:
             param.grad = None
+        if isinstance(grad, DTensor):
+            # A TP gradient can be Partial (e.g. a SequenceParallel norm's weight): sum it over
+            # the TP ranks first, so that what we reduce-scatter is this rank's TP-local grad.
+            if self.tp is not None and tuple(grad.placements) != self.tp.placements:
+                grad = grad.redistribute(placements=self.tp.placements)
+            grad = grad.to_local()
         kept = self.unsharded_accumulated_grad
         self.unsharded_accumulated_grad = None
         if kept is None:

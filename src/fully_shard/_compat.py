@@ -1,0 +1,66 @@
+"""Every private torch API ``fully_shard`` uses, in one place, each with why and where tried.
+
+Nothing else in the package touches a torch name that starts with an underscore (apart from
+``nn.Module._parameters``, which every module wrapper reads). Each entry was run on torch
+2.13.0 (the pinned CI version); the names and signatures below also exist, unchanged, in the
+torch 2.6 sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished.
+
+    No public API says "backward is over": a hook on the inputs misses backward passes whose
+    inputs need no grad, and a hook on the last gradient misses unused parameters.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def inside_backward() -> bool:
+    """Whether an autograd backward pass is running in this thread (-1: none is).
+
+    Tells a recomputation under activation checkpointing (a forward inside backward) from a
+    forward that finds the flags of an earlier backward which raised before its end-of-backward
+    callback could clear them.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter, which every in-place write (``optimizer.step()``) bumps.
+
+    Public in spirit (autograd's saved-tensor check uses it) but named with an underscore.
+    """
+    return int(t._version)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``root["dp"]`` -> ``root``), or ``mesh`` itself.
+
+    A parameter sharded by both tensor parallelism (on ``root["tp"]``) and by us (on
+    ``root["dp"]``) must be one DTensor on the mesh holding both dims, so that ``full_tensor``
+    and DCP see the whole layout. DeviceMesh keeps that parent but only exposes it privately.
+    """
+    return mesh._get_root_mesh()
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """The placement of a dim that tensor parallelism sharded *before* us on an inner mesh dim.
+
+    DTensor applies placements outer mesh dim first. When TP (inner dim) shards tensor dim
+    ``d`` and we then shard TP's local rows of ``d`` again over the outer data-parallel dim,
+    the layout is "TP first, then DP", which plain ``Shard(d)`` on both dims cannot say:
+    ``_StridedShard(d, split_factor=tp_size)`` on the DP dim does. torch's own FSDP2 uses the
+    same placement for the same reason; there is no public equivalent yet.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
