@@ -3,7 +3,7 @@
 ``examples/train_resumable.py`` runs under ``torchrun --max-restarts 2`` with two planned
 deaths: on the first attempt rank 1 dies in the middle of saving the step-6 checkpoint (its
 shards are written, the checkpoint is not yet renamed complete), so the second attempt must
-resume from step 3, not from the incomplete step 6; on the second attempt rank 1 dies mid-step
+resume from step 3, not from the incomplete step 6; on the second attempt rank 0 dies mid-step
 8, after the step-6 checkpoint was completed, so the third attempt resumes from step 6. The
 final parameters must equal, bit for bit, those of the same training run without checkpoints
 or deaths (fp32, deterministic data, restored RNG).
@@ -66,7 +66,7 @@ def test_killed_ranks_resume_from_the_last_complete_checkpoint(tmp_path: Path) -
         f"--ckpt-dir={tmp_path / 'ckpt'}",
         f"--out={out}",
         "--crash=0:1:6:save",
-        "--crash=1:1:8:step",
+        "--crash=1:0:8:step",
     ]
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, check=False
@@ -78,7 +78,7 @@ def test_killed_ranks_resume_from_the_last_complete_checkpoint(tmp_path: Path) -
         "[rank 1] crashing at step 6 during save",
         "[rank 0] ignoring incomplete checkpoint step_000006.partial",
         "[rank 0] resumed from step_000003",
-        "[rank 1] crashing at step 8 during step",
+        "[rank 0] crashing at step 8 during step",
         "[rank 0] resumed from step_000006",
         "[rank 0] finished 10 steps",
     ], log
