@@ -476,7 +476,7 @@ def test_backward_twice_without_forward_then_forward_asks_for_a_reset() -> None:
 PG_TIMEOUT_S = 5.0
 
 
-def _dying_rank_main(rank: int, port: int, queue: Any, how: str) -> None:
+def _dying_rank_main(rank: int, port: int, conn: Any, how: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     timeout = timedelta(seconds=PG_TIMEOUT_S)
@@ -501,9 +501,9 @@ def _dying_rank_main(rank: int, port: int, queue: Any, how: str) -> None:
         for _ in range(3):
             start = time.monotonic()
             _loss(model(x)).backward()
-        queue.put((rank, "finished", "", 0.0))
+        conn.send((rank, "finished", "", 0.0))
     except Exception as e:
-        queue.put(
+        conn.send(
             (rank, type(e).__name__, f"{e}\n{traceback.format_exc()}", time.monotonic() - start)
         )
 
@@ -514,12 +514,16 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(how: str) -> None
     # whose peer really dies.
     ctx = multiprocessing.get_context("forkserver")
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_dying_rank_main, args=(r, store.port, queue, how)) for r in (0, 1)]
+    # A pipe, not a Queue: a Queue's semaphores leak when a process holding them is killed.
+    receiver, sender = ctx.Pipe(duplex=False)
+    procs = [
+        ctx.Process(target=_dying_rank_main, args=(r, store.port, sender, how)) for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     try:
-        rank, kind, message, elapsed = queue.get(timeout=PG_TIMEOUT_S + 90)
+        assert receiver.poll(PG_TIMEOUT_S + 90), "no rank reported: rank 0 hangs"
+        rank, kind, message, elapsed = receiver.recv()
         if how == "dies":
             procs[1].join(30)
             assert procs[1].exitcode == 17, f"rank 1 should have died, exit {procs[1].exitcode}"
@@ -529,6 +533,8 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(how: str) -> None
             if p.is_alive():
                 p.kill()
                 p.join()
+        receiver.close()
+        sender.close()
     assert rank == 0
     assert kind != "finished", "rank 0 trained on although its peer died"
     assert kind in ("RuntimeError", "DistBackendError"), message
