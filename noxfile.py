@@ -70,3 +70,11 @@ def demo(session: nox.Session) -> None:
     """The end-to-end demo: ``python -m fully_shard.demo``."""
     session.install("-e", ".", *CONSTRAINTS)
     session.run("python", "-m", "fully_shard.demo", *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Long reliability runs: 1,000 soak steps, 200 random call sequences (tests: 100, 12)."""
+    session.install("-e", ".[test]", *CONSTRAINTS)
+    env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
+    session.run("pytest", "tests/test_soak.py", "tests/test_stateful.py", *session.posargs, env=env)

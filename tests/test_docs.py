@@ -62,6 +62,11 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "hf_llama.py": ([], r"step 2: loss \d"),
     # 2 ranks: TP 2 x DP 1 (tests/test_example_2d.py runs 2 x 2 under torchrun)
     "train_llama_2d.py": (["--steps", "3"], r"max \|2-D - unsharded\| over all parameters"),
+    # tests/test_resume.py kills and restarts it under torchrun
+    "train_resumable.py": (
+        ["--steps", "4", "--ckpt-every", "2", "--ckpt-dir", "{tmp}", "--out", "{tmp}/final.pt"],
+        r"finished 4 steps",
+    ),
 }
 NEEDS = {"hf_llama.py": "transformers"}
 SHARED = {"toy.py", "llama.py"}  # modules the scripts import, not scripts

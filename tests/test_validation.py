@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fully_shard import (
@@ -425,4 +425,130 @@ def test_mesh_none_without_distributed() -> None:
     with pytest.raises(FullyShardStateError, match="torchrun") as info:
         fully_shard(model)
     assert "init_process_group" in str(info.value)
+    assert_same(before, snapshot(model))
+
+
+# -- inputs checked with their exact message ----------------------------------------------------
+
+
+def _cuda_mesh_on_a_cpu_process(m: Net) -> object:
+    # A mesh object for a device type this process cannot use (no backend is created).
+    mesh = DeviceMesh("cuda", torch.arange(dist.get_world_size()), _init_backend=False)
+    return fully_shard(m, mesh=mesh)
+
+
+def _meta_bias(m: Net) -> None:
+    m.inner[0].bias = nn.Parameter(torch.empty(7, device="meta"))
+
+
+def _half_bias(m: Net) -> None:
+    m.inner[0].bias = nn.Parameter(torch.zeros(7, dtype=torch.float16))
+
+
+@dataclass(frozen=True)
+class ExactCase:
+    """A bad call and its whole message. ``setup`` puts the offending parameter in place
+    first; the module must then stay as it was, and shard once the parameter is fixed."""
+
+    name: str
+    call: Callable[[Net], object]
+    error: type[Exception]
+    message: str
+    setup: Callable[[Net], None] | None = None
+
+
+def _shard_root(m: Net) -> object:
+    return fully_shard(m, mesh=mesh_1d())
+
+
+EXACT_CASES = [
+    ExactCase(
+        "None instead of a module",
+        lambda m: fully_shard(None),  # type: ignore[call-overload]
+        FullyShardTypeError,
+        "fully_shard expects an nn.Module or a list of nn.Modules, got NoneType",
+    ),
+    ExactCase(
+        "a tensor instead of a module",
+        lambda m: fully_shard(torch.zeros(3)),  # type: ignore[call-overload]
+        FullyShardTypeError,
+        "fully_shard expects an nn.Module or a list of nn.Modules, got Tensor",
+    ),
+    ExactCase(
+        "a dict of modules",
+        lambda m: fully_shard({"inner": m.inner}),  # type: ignore[call-overload]
+        FullyShardTypeError,
+        "fully_shard expects an nn.Module or a list of nn.Modules, got dict",
+    ),
+    ExactCase(
+        "the module class instead of an instance",
+        lambda m: fully_shard(nn.Linear),  # type: ignore[call-overload]
+        FullyShardTypeError,
+        "fully_shard got the class Linear, not a module; construct it first, e.g. "
+        "fully_shard(Linear(...))",
+    ),
+    ExactCase(
+        "parameters on mixed devices in one group",
+        _shard_root,
+        FullyShardValueError,
+        "the parameters of one fully_shard group are on different devices (inner.0.weight@cpu, "
+        "inner.0.bias@meta, out.weight@cpu, out.bias@cpu); move the module to one device (or "
+        "the meta device) first",
+        setup=_meta_bias,
+    ),
+    ExactCase(
+        "parameters of mixed dtypes in one group",
+        _shard_root,
+        FullyShardValueError,
+        "the parameters of one fully_shard group have different dtypes (inner.0.weight:"
+        "torch.float32, inner.0.bias:torch.float16, out.weight:torch.float32, out.bias:"
+        "torch.float32) and one all-gather needs one dtype; convert the module to one dtype, "
+        "set MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls",
+        setup=_half_bias,
+    ),
+    ExactCase(
+        "a mesh of a device type this process cannot use",
+        _cuda_mesh_on_a_cpu_process,
+        FullyShardValueError,
+        "the mesh is on device type 'cuda', which this process cannot use "
+        "(torch.cuda.is_available() is not True); build the mesh with init_device_mesh('cpu', "
+        "...) to run on CPU with gloo, or start the ranks on a machine with cuda devices",
+    ),
+]
+
+
+def _run_exact_case(index: int) -> None:
+    case = EXACT_CASES[index]
+    torch.manual_seed(0)
+    model = Net()
+    if case.setup is not None:
+        case.setup(model)
+    before = snapshot(model)
+    with pytest.raises(case.error) as info:
+        case.call(model)
+    assert isinstance(info.value, FullyShardError)
+    assert str(info.value) == case.message, f"{case.name}: {info.value}"
+    assert_same(before, snapshot(model))
+    if case.setup is not None:
+        model.inner[0].bias = nn.Parameter(torch.zeros(7))
+    still_trains(model)
+
+
+@pytest.mark.parametrize("index", range(len(EXACT_CASES)), ids=[c.name for c in EXACT_CASES])
+def test_bad_input_exact_message(index: int) -> None:
+    run_distributed(_run_exact_case, 2, index)
+
+
+def test_mesh_none_without_distributed_exact_message() -> None:
+    assert not dist.is_initialized()
+    model = Net()
+    before = snapshot(model)
+    with pytest.raises(FullyShardStateError) as info:
+        fully_shard(model)
+    assert str(info.value) == (
+        "fully_shard(mesh=None) needs torch.distributed to be initialised: launch the ranks "
+        "with `torchrun --nproc-per-node N script.py` and call "
+        "`torch.distributed.init_process_group()` (backend 'gloo' on CPU, 'nccl' on GPU) "
+        "before fully_shard, or pass mesh=init_device_mesh(...)"
+    )
     assert_same(before, snapshot(model))

@@ -24,6 +24,24 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def inside_backward() -> bool:
+    """Whether an autograd backward pass is running in this thread (-1: none is).
+
+    Tells a recomputation under activation checkpointing (a forward inside backward) from a
+    forward that finds the flags of an earlier backward which raised before its end-of-backward
+    callback could clear them.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter, which every in-place write (``optimizer.step()``) bumps.
+
+    Public in spirit (autograd's saved-tensor check uses it) but named with an underscore.
+    """
+    return int(t._version)
+
+
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``root["dp"]`` -> ``root``), or ``mesh`` itself.
 

@@ -182,6 +182,11 @@ def fully_shard(
 
 
 def _check_modules(module: object) -> tuple[nn.Module, ...]:
+    if isinstance(module, type) and issubclass(module, nn.Module):
+        raise FullyShardTypeError(
+            f"fully_shard got the class {module.__name__}, not a module; construct it first, "
+            f"e.g. fully_shard({module.__name__}(...))"
+        )
     if isinstance(module, nn.Module):
         modules: tuple[nn.Module, ...] = (module,)
     elif isinstance(module, (list, tuple)):
@@ -212,6 +217,18 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
 
 
 def _resolve_mesh(mesh: object) -> MeshInfo:
+    if isinstance(mesh, DeviceMesh) and mesh.device_type != "cpu":
+        # Checked here: reading the compute device of such a mesh fails inside torch with a
+        # message that does not mention the mesh.
+        kind = mesh.device_type
+        is_available = getattr(getattr(torch, kind, None), "is_available", None)
+        if not callable(is_available) or not is_available():
+            raise FullyShardValueError(
+                f"the mesh is on device type {kind!r}, which this process cannot use "
+                f"(torch.{kind}.is_available() is not True); build the mesh with "
+                "init_device_mesh('cpu', ...) to run on CPU with gloo, or start the ranks on a "
+                f"machine with {kind} devices"
+            )
     return mesh_info(default_mesh() if mesh is None else mesh)
 
 

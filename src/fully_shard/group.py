@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._compat import version
 from .collectives import Comm, copy_in, copy_out, pack_for_reduce_scatter
 from .errors import FullyShardStateError
 from .mesh import MeshInfo
@@ -101,6 +102,8 @@ class ParamGroup:
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         self._pending_reduce: _PendingReduce | None = None
         self._initialized = False
+        # (id, version) of each sharded parameter when the gathered copy was taken.
+        self._gathered_versions: list[tuple[int, int]] = []
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
@@ -155,6 +158,7 @@ class ParamGroup:
         flat_in = output.narrow(0, self.info.shard_rank * self._total, self._total)
         flats = torch.split(flat_in, self._split_numels)
         slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
+        self._gathered_versions = self.sharded_versions()
         copy_in(slots, [p.local_shard for p in self.params])
         self._ag_output = output
         self._unshard_work = self.comm.all_gather(output, flat_in, self.info.shard_group, async_op)
@@ -184,6 +188,16 @@ class ParamGroup:
         for p in self.params:
             p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+
+    def sharded_versions(self) -> list[tuple[int, int]]:
+        """(id, version counter) of each sharded parameter: changes with every in-place write."""
+        return [(id(p.sharded_param), version(p.sharded_param)) for p in self.params]
+
+    def gathered_copy_is_stale(self) -> bool:
+        """Gathered, but a sharded parameter changed since (e.g. an optimizer step)."""
+        return self.state is GroupState.UNSHARDED and self._gathered_versions != (
+            self.sharded_versions()
+        )
 
     def reshard(self) -> None:
         """Free the full parameters and show the sharded DTensors again (no-op if SHARDED)."""

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._compat import queue_end_of_backward
+from ._compat import inside_backward, queue_end_of_backward
 from .errors import FullyShardStateError
 from .group import GroupState, ParamGroup
 
@@ -145,6 +145,10 @@ class FSDPState:
         self._grads_expected = sum(1 for p in group.params if p.requires_grad)
         self._grad_hooks: list[RemovableHandle] = []
         self._module_hooks: list[RemovableHandle] = []
+        # (id, version) of each sharded parameter when this group's forward began: an in-place
+        # change before its backward (optimizer.step(), load_state_dict) would pair the forward's
+        # activations with new parameter values, so the backward refuses it.
+        self._forward_versions: list[tuple[int, int]] | None = None
         # Explicit prefetch targets (None: the recorded order decides).
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
@@ -221,6 +225,12 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         ctx = self.ensure_initialized()
+        if ctx.in_backward and not inside_backward():
+            raise FullyShardStateError(
+                f"forward of {type(module).__name__} came while the previous backward had not "
+                "finished (it raised, e.g. a second backward through a freed graph); call "
+                "reset_iter_state() on the root module before the next forward"
+            )
         if ctx.in_backward:  # recomputation under activation checkpointing
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
@@ -232,6 +242,11 @@ class FSDPState:
             self._outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
             self._ran_forward = True
+            self._forward_versions = self.group.sharded_versions()
+            if self.group.gathered_copy_is_stale():
+                # Gathered before an optimizer step (explicit unshard, reshard_after_backward=
+                # False): every rank stepped, so every rank gathers again.
+                self.group.reshard()
             self._prefetched = False
             if self.is_root:
                 ctx.forward_iter += 1
@@ -286,9 +301,25 @@ class FSDPState:
             ctx.in_backward = True
         return ctx
 
+    def _check_unchanged_since_forward(self) -> None:
+        before = self._forward_versions
+        if before is None:
+            return
+        for p, was, now in zip(
+            self.group.params, before, self.group.sharded_versions(), strict=True
+        ):
+            if was != now:
+                raise FullyShardStateError(
+                    f"backward came for parameter {p.fqn!r}, which was changed in place "
+                    "(optimizer.step(), load_state_dict(), ...) after its forward; the "
+                    "gradient would mix old activations with new values. Step the optimizer "
+                    "after backward; call reset_iter_state() on the root module to recover"
+                )
+
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
+            self._check_unchanged_since_forward()
             self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
             self._prefetched = False
             self.group.unshard(async_op=False)
@@ -380,6 +411,7 @@ class FSDPState:
             state._prefetched = False
             state._ran_forward = False
             state._grads_ready = 0
+            state._forward_versions = None
         ctx.in_backward = False
         ctx.callback_queued = False
 
@@ -396,6 +428,7 @@ class FSDPState:
             state._ran_forward = False
             state._prefetched = False
             state._grads_ready = 0
+            state._forward_versions = None
         if self.root is not None:
             self.root.in_backward = False
             self.root.callback_queued = False

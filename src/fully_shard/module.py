@@ -128,6 +128,15 @@ class FSDPModule(nn.Module):
             >>> model(x2).sum().backward()  # reduces x1's and x2's gradients  # doctest: +SKIP
         """
         flag = _check_bool("requires_gradient_sync", requires_gradient_sync)
+        root = self._fsdp_state.root
+        if root is not None and root.in_backward:
+            # Groups already reduced and groups still to come would disagree: half the model
+            # would get averaged gradients, half local ones.
+            raise FullyShardStateError(
+                f"set_requires_gradient_sync({flag}) was called during backward, after some "
+                "groups had already decided whether to reduce; call it before the forward "
+                "(or between backward passes)"
+            )
         self._update_config(recurse, requires_gradient_sync=flag)
 
     def set_reshard_after_forward(
