@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from .errors import FullyShardStateError
 from .mesh import MeshInfo
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
+
+if TYPE_CHECKING:
+    from .trace import Recorder
 
 
 class GroupState(enum.Enum):
@@ -101,6 +105,7 @@ class ParamGroup:
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         self._pending_reduce: _PendingReduce | None = None
         self._initialized = False
+        self.recorder: Recorder | None = None  # set only inside fully_shard.trace.record()
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
@@ -144,6 +149,8 @@ class ParamGroup:
         if self.state is not GroupState.SHARDED:
             return
         self._transition(GroupState.UNSHARDING, "unshard()")
+        if self.recorder is not None:
+            self.recorder.begin(self, "unshard")
         if not self.params:
             return
         # In place: this rank's input is its own slice of the output, so no separate input
@@ -184,6 +191,8 @@ class ParamGroup:
         for p in self.params:
             p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+        if self.recorder is not None:
+            self.recorder.end(self, "unshard")
 
     def reshard(self) -> None:
         """Free the full parameters and show the sharded DTensors again (no-op if SHARDED)."""
@@ -191,10 +200,14 @@ class ParamGroup:
             return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
+        if self.recorder is not None:
+            self.recorder.begin(self, "reshard")
         for p in self.params:
             p.free_storage()
             p.register(p.sharded_param)
         self._transition(GroupState.SHARDED, "reshard()")
+        if self.recorder is not None:
+            self.recorder.end(self, "reshard")
 
     # -- gradients --------------------------------------------------------------------------
 
