@@ -15,7 +15,8 @@ event              from ... to                                          ``nbytes
 =================  ==================================================  =======================
 
 It also samples the unsharded parameter bytes alive on the rank (the padded storage, in the
-compute dtype, of every group) after each unshard and reshard: the memory timeline.
+compute dtype, of every group) when an unshard starts (counting the storage it is about to
+allocate) and when a reshard ends: the memory timeline.
 
 Nothing is recorded, and nothing is allocated, while no recorder is attached: the engine's only
 cost is one ``is None`` check per unshard, reshard, forward and backward of a group.
@@ -279,6 +280,10 @@ class Recorder:
     def begin(self, group: ParamGroup, kind: Kind) -> None:
         """A span of ``kind`` starts for ``group`` (called by the engine)."""
         self._open[(id(group), kind)] = self.now()
+        attached = self._attached.get(id(group))
+        if kind == "unshard" and attached is not None:
+            # Sharded now, the group allocates all of its storage right after this call.
+            self._sample(extra=sum(attached.param_nbytes))
 
     def end(self, group: ParamGroup, kind: Kind) -> None:
         """The open span of ``kind`` ends for ``group``; one never begun is ignored."""
@@ -288,7 +293,7 @@ class Recorder:
             return
         nbytes = sum(attached.param_nbytes) if kind in ("unshard", "reshard") else 0
         self.events.append(TraceEvent(kind, attached.label, start, self.now(), nbytes))
-        if kind in ("unshard", "reshard"):
+        if kind == "reshard":
             self._sample()
 
     def collective(
@@ -310,8 +315,8 @@ class Recorder:
             return
         future.add_done_callback(done)
 
-    def _sample(self) -> None:
-        alive = 0
+    def _sample(self, extra: int = 0) -> None:
+        alive = extra
         for a in self._attached.values():
             for p, nbytes in zip(a.group.params, a.param_nbytes, strict=True):
                 if p.storage_allocated():
@@ -534,7 +539,7 @@ def plot_memory(
     peak = max(max(r.replica_bytes, r.peak_unsharded_bytes()) for r in recordings)
     unit, div = _unit(peak)
 
-    fig = Figure(figsize=(8, 3.6), dpi=120, layout="constrained")
+    fig = Figure(figsize=(10, 3.6), dpi=120, layout="constrained")
     ax = fig.add_subplot()
     first = recordings[0]
     phases: tuple[tuple[Kind, str], ...] = (("forward", "tab:blue"), ("backward", "tab:orange"))
@@ -561,7 +566,7 @@ def plot_memory(
     ax.set_ylabel(f"unsharded parameters ({unit})")
     ax.set_title(title or "unsharded parameter bytes alive")
     ax.set_ylim(bottom=0)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
