@@ -506,15 +506,23 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
             f"  unsharded parameters alive at once (peak of the last step, rank 0): "
             f"{_fmt_bytes(peak)} of {_fmt_bytes(full)} ({peak / full:.0%})"
         )
+    gathers = (
+        "2 per block (forward, and again for backward), 1 for the root"
+        if cfg.reshard
+        else "1 per group (kept gathered from forward to backward)"
+    )
     print(
         "communication per step and rank (bytes this rank puts into each collective):\n"
         f"  all-gather      measured {measured.get('all_gather', 0):>12,} B   "
         f"theory {expected.all_gather:>12,} B\n"
         f"  reduce-scatter  measured {measured.get('reduce_scatter', 0):>12,} B   "
         f"theory {expected.reduce_scatter:>12,} B\n"
-        "  theory: all-gather = sum_groups n_g * sum_params ceil(d0/W) * (numel/d0) * "
-        f"{param_bytes} B (n_g = {2 if cfg.reshard else 1} per block, 1 for the root);\n"
-        f"          reduce-scatter = sum_params W * ceil(d0/W) * (numel/d0) * 4 B, W = {world}"
+        "  theory: the padded shards, c = ceil(d0 / W) rows of each parameter (d0 rows of r "
+        f"elements), W = {world}:\n"
+        f"    all-gather     = sum over groups of n_g * sum over its params of c * r * "
+        f"{param_bytes} B\n"
+        f"    reduce-scatter = sum over all params of W * c * r * 4 B\n"
+        f"    n_g = gathers per step: {gathers}"
     )
     if sample:
         print(
