@@ -2,17 +2,15 @@
 
 While a :class:`Recorder` is attached, each group reports, with a start and an end time:
 
-=================  ==================================================  =======================
-event              from ... to                                          ``nbytes``
-=================  ==================================================  =======================
-``forward``        the group's first module starts .. its last ends    0
-``backward``       the first gradient of an output .. grads reduced    0
-``unshard``        storage allocated, all-gather issued .. copied out  unsharded bytes gained
-``reshard``        the start .. the end of freeing the storage         unsharded bytes freed
-``all_gather``     issued .. completed (the work's future is done)     this rank's input
-``reduce_scatter`` issued .. completed                                 this rank's input
-``all_reduce``     issued .. completed (HSDP only)                     the tensor
-=================  ==================================================  =======================
+| event | from .. to | ``nbytes`` |
+| --- | --- | --- |
+| ``forward`` | the group's first module starts .. its last ends | 0 |
+| ``backward`` | the first gradient of an output .. grads reduced | 0 |
+| ``unshard`` | storage allocated, all-gather issued .. copied out | unsharded bytes gained |
+| ``reshard`` | the start .. the end of freeing the storage | unsharded bytes freed |
+| ``all_gather`` | issued .. completed (the work's future is done) | this rank's input |
+| ``reduce_scatter`` | issued .. completed | this rank's input |
+| ``all_reduce`` | issued .. completed (HSDP only) | the tensor |
 
 It also samples the unsharded parameter bytes alive on the rank (the padded storage, in the
 compute dtype, of every group) when an unshard starts (counting the storage it is about to
