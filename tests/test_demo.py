@@ -54,18 +54,19 @@ def _check_summary(out: str, nproc: int) -> None:
     assert re.search(r"loss\s+\d+\.\d+ -> \d+\.\d+ over \d+ steps", out), out
 
 
-def test_demo_with_trace_in_mixed_precision(tmp_path: Path) -> None:
+def test_demo_with_trace_in_mixed_precision_on_uneven_shards(tmp_path: Path) -> None:
+    # W = 3 leaves uneven dim-0 shards (64 rows), so the formula's padding is checked too.
     out = _run_demo(
-        "--nproc", "2", "--size", "tiny", "--steps", "3", "--sample", "4", "--mixed-precision",
+        "--nproc", "3", "--size", "tiny", "--steps", "2", "--sample", "4", "--mixed-precision",
         "--trace", str(tmp_path),
     )  # fmt: skip
-    _check_summary(out, nproc=2)
-    assert "bf16" in out
+    _check_summary(out, nproc=3)
+    assert "bf16" in out and "2 per block" in out
 
     data = json.loads((tmp_path / "trace.json").read_text())
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     groups = {"root"} | {f"layers.{i}" for i in range(demo.SIZES["tiny"].n_layers)}
-    for rank in (0, 1):
+    for rank in range(3):
         for group in groups:
             kinds = {e["cat"] for e in spans if e["pid"] == rank and e["args"]["group"] == group}
             assert kinds == KINDS, f"rank {rank}, {group}: {sorted(kinds)}"
@@ -76,13 +77,12 @@ def test_demo_with_trace_in_mixed_precision(tmp_path: Path) -> None:
         assert not png.exists() and "plot skipped" in out
 
 
-def test_demo_without_reshard_on_uneven_shards() -> None:
-    # W = 3 leaves uneven dim-0 shards (dim 64 rows), so the padding is in the formula too.
+def test_demo_on_one_rank_without_reshard() -> None:
     out = _run_demo(
-        "--nproc", "3", "--size", "tiny", "--steps", "1", "--sample", "0", "--no-reshard"
+        "--nproc", "1", "--size", "tiny", "--steps", "1", "--sample", "0", "--no-reshard"
     )
-    _check_summary(out, nproc=3)
-    assert "reshard_after_forward=False" in out
+    _check_summary(out, nproc=1)
+    assert "reshard_after_forward=False" in out and "1 per group" in out
 
 
 def test_expected_comm_bytes_by_hand() -> None:
