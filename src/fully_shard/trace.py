@@ -13,8 +13,9 @@ While a :class:`Recorder` is attached, each group reports, with a start and an e
 | ``all_reduce`` | issued .. completed (HSDP only) | the tensor |
 
 It also samples the unsharded parameter bytes alive on the rank (the padded storage, in the
-compute dtype, of every group) when an unshard starts (counting the storage it is about to
-allocate) and when a reshard ends: the memory timeline.
+compute dtype, of every group) when an unshard or a reshard ends: the memory timeline. (The
+storage is allocated when the all-gather is waited for, so a prefetched group in flight counts
+only from then on.)
 
 Nothing is recorded, and nothing is allocated, while no recorder is attached: the engine's only
 cost is one ``is None`` check per unshard, reshard, forward and backward of a group.
@@ -278,10 +279,6 @@ class Recorder:
     def begin(self, group: ParamGroup, kind: Kind) -> None:
         """A span of ``kind`` starts for ``group`` (called by the engine)."""
         self._open[(id(group), kind)] = self.now()
-        attached = self._attached.get(id(group))
-        if kind == "unshard" and attached is not None:
-            # Sharded now, the group allocates all of its storage right after this call.
-            self._sample(extra=sum(attached.param_nbytes))
 
     def end(self, group: ParamGroup, kind: Kind) -> None:
         """The open span of ``kind`` ends for ``group``; one never begun is ignored."""
@@ -291,7 +288,7 @@ class Recorder:
             return
         nbytes = sum(attached.param_nbytes) if kind in ("unshard", "reshard") else 0
         self.events.append(TraceEvent(kind, attached.label, start, self.now(), nbytes))
-        if kind == "reshard":
+        if kind in ("unshard", "reshard"):
             self._sample()
 
     def collective(
@@ -313,8 +310,8 @@ class Recorder:
             return
         future.add_done_callback(done)
 
-    def _sample(self, extra: int = 0) -> None:
-        alive = extra
+    def _sample(self) -> None:
+        alive = 0
         for a in self._attached.values():
             for p, nbytes in zip(a.group.params, a.param_nbytes, strict=True):
                 if p.storage_allocated():
