@@ -9,7 +9,7 @@ While a :class:`Recorder` is attached, each group reports, with a start and an e
 | ``unshard`` | storage allocated, all-gather issued .. copied out | unsharded bytes gained |
 | ``reshard`` | the start .. the end of freeing the storage | unsharded bytes freed |
 | ``all_gather`` | issued .. completed (the work's future is done) | this rank's input |
-| ``reduce_scatter`` | issued .. completed | this rank's input |
+| ``reduce_scatter`` | issued .. completed (or waited for, see ``collective``) | this rank's input |
 | ``all_reduce`` | issued .. completed (HSDP only) | the tensor |
 
 It also samples the unsharded parameter bytes alive on the rank (the padded storage, in the
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import Comm
+from .collectives import Comm, Waitable
 from .errors import FullyShardStateError, FullyShardValueError
 from .group import ParamGroup
 from .hooks import FSDPState
@@ -169,28 +169,42 @@ class _TracedComm:
     ) -> dist.Work | None:
         start = self.recorder.now()
         work = self.inner.all_gather(output, input, group, async_op)
-        self.recorder.collective("all_gather", self.label, start, _nbytes(input), work)
+        self.recorder.collective("all_gather", self.label, start, _nbytes(input), work, wrap=False)
         return work
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         start = self.recorder.now()
         work = self.inner.reduce_scatter(output, input, group, async_op)
-        self.recorder.collective("reduce_scatter", self.label, start, _nbytes(input), work)
-        return work
+        return self.recorder.collective("reduce_scatter", self.label, start, _nbytes(input), work)
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> dist.Work | None:
         start = self.recorder.now()
         work = self.inner.all_reduce(tensor, group, async_op)
-        self.recorder.collective("all_reduce", self.label, start, _nbytes(tensor), work)
+        self.recorder.collective("all_reduce", self.label, start, _nbytes(tensor), work, wrap=False)
         return work
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class _TimedWait:
+    """A work handle that calls ``on_done`` once, after its first ``wait()`` returns."""
+
+    def __init__(self, inner: Waitable, on_done: Callable[[], None]) -> None:
+        self.inner = inner
+        self.on_done: Callable[[], None] | None = on_done
+
+    def wait(self) -> Any:
+        result = self.inner.wait()
+        if self.on_done is not None:
+            self.on_done()
+            self.on_done = None
+        return result
 
 
 @dataclass
@@ -292,23 +306,44 @@ class Recorder:
             self._sample()
 
     def collective(
-        self, kind: Kind, label: str, start: int, nbytes: int, work: dist.Work | None
-    ) -> None:
-        """Record a collective issued at ``start``; it ends when ``work`` completes."""
-        if work is None:  # synchronous: already done
-            self.events.append(TraceEvent(kind, label, start, self.now(), nbytes))
-            return
+        self,
+        kind: Kind,
+        label: str,
+        start: int,
+        nbytes: int,
+        work: Waitable | None,
+        wrap: bool = True,
+    ) -> Waitable | None:
+        """Record a collective issued at ``start``; returns the handle to give the engine.
 
-        def done(_: torch.futures.Future[Any]) -> None:
-            # Runs on the backend's thread when the collective completes.
+        A synchronous one (``work is None``) is done now. A ``torch.distributed.Work`` ends
+        when its future completes (a callback; ``work`` is returned as it is). Any other
+        handle (e.g. the gloo reduce-scatter's all-to-all plus local sum) ends when it has
+        been waited for: it comes back wrapped so that its ``wait()`` records the end; with
+        ``wrap=False`` (the caller must return the handle unchanged) the issue time is all
+        that is known, and the event ends now.
+        """
+
+        def done(*_: object) -> None:
+            # For a future: runs on the backend's thread when the collective completes.
             self.events.append(TraceEvent(kind, label, start, self.now(), nbytes))
 
-        try:
-            future = work.get_future()
-        except RuntimeError:  # a backend without futures: the issue time is all we know
-            self.events.append(TraceEvent(kind, label, start, self.now(), nbytes))
-            return
-        future.add_done_callback(done)
+        if work is None:
+            done()
+            return None
+        get_future = getattr(work, "get_future", None)
+        if get_future is not None:
+            try:
+                future: torch.futures.Future[Any] = get_future()
+            except RuntimeError:  # a backend whose Work has no future: time the wait instead
+                pass
+            else:
+                future.add_done_callback(done)
+                return work
+        if not wrap:
+            done()
+            return work
+        return _TimedWait(work, done)
 
     def _sample(self) -> None:
         alive = 0
