@@ -67,8 +67,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The end-to-end demo: ``python -m fully_shard.demo``."""
-    session.install("-e", ".", *CONSTRAINTS)
+    """The end-to-end demo; extra arguments go to it (``nox -s demo -- --trace trace/``)."""
+    session.install("-e", ".[demo,plot]", *CONSTRAINTS)
     session.run("python", "-m", "fully_shard.demo", *session.posargs)
 
 

@@ -7,6 +7,7 @@ Example:
     >>> fully_shard(model)  # doctest: +SKIP
 """
 
+from . import trace
 from .api import fully_shard
 from .collectives import Comm, CommRecord, CountingComm, TorchComm
 from .errors import (
@@ -38,4 +39,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "trace",
 ]

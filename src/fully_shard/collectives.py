@@ -20,10 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+
+class Waitable(Protocol):
+    """What an async collective returns (a ``dist.Work``, or a wrapper around one)."""
+
+    def wait(self) -> Any: ...
 
 
 class Comm(Protocol):
@@ -43,7 +49,7 @@ class Comm(Protocol):
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         """Sum ``input`` (W times larger) over ranks; rank r keeps the r-th chunk in ``output``."""
         ...
 
@@ -78,7 +84,7 @@ class TorchComm:
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         return self._reduce_scatter(
             output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
@@ -141,7 +147,7 @@ class CountingComm:
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         self._record("reduce_scatter", input)
         return self.inner.reduce_scatter(output, input, group, async_op)
 

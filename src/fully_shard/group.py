@@ -10,17 +10,21 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ._compat import version
-from .collectives import Comm, copy_in, copy_out, pack_for_reduce_scatter
+from .collectives import Comm, Waitable, copy_in, copy_out, pack_for_reduce_scatter
 from .errors import FullyShardStateError
 from .mesh import MeshInfo
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
+
+if TYPE_CHECKING:
+    from .trace import Recorder
 
 
 class GroupState(enum.Enum):
@@ -64,7 +68,7 @@ class GroupConfig:
 
 @dataclass
 class _PendingReduce:
-    work: dist.Work | None
+    work: Waitable | None
     output: torch.Tensor  # (total,) this rank's summed chunk, in the reduce dtype
     input: torch.Tensor  # (W * total,) kept alive until the collective is done
     params: list[ShardedParam]
@@ -104,6 +108,7 @@ class ParamGroup:
         self._initialized = False
         # (id, version) of each sharded parameter when the gathered copy was taken.
         self._gathered_versions: list[tuple[int, int]] = []
+        self.recorder: Recorder | None = None  # set only inside fully_shard.trace.record()
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
@@ -147,6 +152,8 @@ class ParamGroup:
         if self.state is not GroupState.SHARDED:
             return
         self._transition(GroupState.UNSHARDING, "unshard()")
+        if self.recorder is not None:
+            self.recorder.begin(self, "unshard")
         if not self.params:
             return
         # In place: this rank's input is its own slice of the output, so no separate input
@@ -188,6 +195,8 @@ class ParamGroup:
         for p in self.params:
             p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+        if self.recorder is not None:
+            self.recorder.end(self, "unshard")
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
@@ -205,10 +214,14 @@ class ParamGroup:
             return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
+        if self.recorder is not None:
+            self.recorder.begin(self, "reshard")
         for p in self.params:
             p.free_storage()
             p.register(p.sharded_param)
         self._transition(GroupState.SHARDED, "reshard()")
+        if self.recorder is not None:
+            self.recorder.end(self, "reshard")
 
     # -- gradients --------------------------------------------------------------------------
 

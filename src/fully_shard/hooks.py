@@ -241,6 +241,8 @@ class FSDPState:
             self._modules_to_run = {id(m) for m in self.modules}
             self._outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
+            if self.group.recorder is not None:
+                self.group.recorder.begin(self.group, "forward")
             self._ran_forward = True
             self._forward_versions = self.group.sharded_versions()
             if self.group.gathered_copy_is_stale():
@@ -285,6 +287,8 @@ class FSDPState:
             if self.is_root:
                 ctx.order_recorded = True
                 self._release_unused_prefetches(ctx)
+            if self.group.recorder is not None:
+                self.group.recorder.end(self.group, "forward")
         out_dtype = self.group.config.mp_policy.output_dtype
         if out_dtype is not None:
             output = _cast_floating(output, out_dtype)
@@ -322,6 +326,8 @@ class FSDPState:
             self._check_unchanged_since_forward()
             self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
             self._prefetched = False
+            if self.group.recorder is not None:
+                self.group.recorder.begin(self.group, "backward")
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
             self._prefetch(self._backward_targets(self.ensure_initialized()), backward=True)
@@ -391,6 +397,8 @@ class FSDPState:
             self.group.reduce_grads()
         if self.group.config.reshard_after_backward:
             self.group.reshard()
+        if self.group.recorder is not None:
+            self.group.recorder.end(self.group, "backward")
 
     def _end_of_backward(self) -> None:
         """Root only: runs once after autograd finished the whole backward pass."""
