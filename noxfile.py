@@ -45,7 +45,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy in strict mode on the library (configured in pyproject.toml)."""
-    session.install("-e", ".", "mypy", *CONSTRAINTS)
+    # .[plot]: trace.plot_memory imports matplotlib (typed), which mypy must see
+    session.install("-e", ".[plot]", "mypy", *CONSTRAINTS)
     session.run("mypy", "src")
 
 
