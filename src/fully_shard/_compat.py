@@ -1,9 +1,9 @@
 """Every private torch API ``fully_shard`` uses, in one place, each with why and where tried.
 
 Nothing else in the package touches a torch name that starts with an underscore (apart from
-``nn.Module._parameters``, which every module wrapper reads). Each entry was run on torch
-2.13.0 (the pinned CI version); the names and signatures below also exist, unchanged, in the
-torch 2.6 sources.
+``nn.Module._parameters``, which every module wrapper reads). Every entry was run on torch
+2.13.0 only (the pinned CI version); older releases in the supported range (>= 2.6) have not
+been run, so this file is the one place to check when they are.
 """
 
 from __future__ import annotations
