@@ -202,11 +202,10 @@ class ParamGroup:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
         return [(id(p.sharded_param), version(p.sharded_param)) for p in self.params]
 
-    def gathered_copy_is_stale(self) -> bool:
-        """Gathered, but a sharded parameter changed since (e.g. an optimizer step)."""
-        return self.state is GroupState.UNSHARDED and self._gathered_versions != (
-            self.sharded_versions()
-        )
+    def gathered_copy_is_stale(self, versions: list[tuple[int, int]]) -> bool:
+        """Gathered, but a sharded parameter changed since (``versions``: now's, as read by
+        :meth:`sharded_versions`), e.g. by an optimizer step."""
+        return self.state is GroupState.UNSHARDED and self._gathered_versions != versions
 
     def reshard(self) -> None:
         """Free the full parameters and show the sharded DTensors again (no-op if SHARDED)."""

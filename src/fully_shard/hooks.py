@@ -112,6 +112,16 @@ class RootContext:
     forward_iter: int = 0  # root forwards started so far
 
 
+def _assign_implicit_prefetch(ctx: RootContext) -> None:
+    """After the first root forward: each group's next group in forward and in backward."""
+    starts, ends = ctx.forward_order, ctx.post_forward_order
+    for i, state in enumerate(starts):
+        state._next_in_forward = starts[i + 1 : i + 2]
+    for i, state in enumerate(ends):
+        # backward runs in the reverse order of the forwards' ends
+        state._next_in_backward = ends[i - 1 : i] if i > 0 else []
+
+
 class FSDPState:
     """The runtime of one ``fully_shard`` call: its group, its phase, its hooks.
 
@@ -153,6 +163,9 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._prefetched = False  # gathered ahead of use by another group's hook
+        # The implicit prefetch targets, read off the recorded order once it is complete.
+        self._next_in_forward: list[FSDPState] = []
+        self._next_in_backward: list[FSDPState] = []
         self._forward_iter = -1  # the root forward in which this group's forward last ran
 
     def __repr__(self) -> str:
@@ -190,6 +203,7 @@ class FSDPState:
         for state in ctx.states:
             state.root = ctx
             state.is_root = state is self
+            state._next_in_forward, state._next_in_backward = [], []  # the new root records
             state._init_group()
 
     def _init_group(self) -> None:
@@ -245,7 +259,7 @@ class FSDPState:
                 self.group.recorder.begin(self.group, "forward")
             self._ran_forward = True
             self._forward_versions = self.group.sharded_versions()
-            if self.group.gathered_copy_is_stale():
+            if self.group.gathered_copy_is_stale(self._forward_versions):
                 # Gathered before an optimizer step (explicit unshard, reshard_after_backward=
                 # False): every rank stepped, so every rank gathers again.
                 self.group.reshard()
@@ -257,7 +271,7 @@ class FSDPState:
                 ctx.forward_order.append(self)
             self.group.unshard(async_op=False)  # a no-op if prefetched: already in flight
             self.group.wait_for_unshard()
-            self._prefetch(self._forward_targets(ctx), backward=False)
+            self._prefetch(self._forward_targets(), backward=False)
         self._forward_depth += 1
         input_dtype = self.group.config.mp_policy.forward_input_dtype()
         if input_dtype is not None:
@@ -285,7 +299,9 @@ class FSDPState:
             if not ctx.order_recorded and self not in ctx.post_forward_order:
                 ctx.post_forward_order.append(self)
             if self.is_root:
-                ctx.order_recorded = True
+                if not ctx.order_recorded:
+                    _assign_implicit_prefetch(ctx)
+                    ctx.order_recorded = True
                 self._release_unused_prefetches(ctx)
             if self.group.recorder is not None:
                 self.group.recorder.end(self.group, "forward")
@@ -330,27 +346,19 @@ class FSDPState:
                 self.group.recorder.begin(self.group, "backward")
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
-            self._prefetch(self._backward_targets(self.ensure_initialized()), backward=True)
+            self._prefetch(self._backward_targets(), backward=True)
 
     # -- prefetch ------------------------------------------------------------------------------
 
-    def _forward_targets(self, ctx: RootContext) -> list[FSDPState]:
+    def _forward_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
-        order = ctx.forward_order
-        if not ctx.order_recorded or self not in order:
-            return []
-        i = order.index(self)
-        return order[i + 1 : i + 2]
+        return self._next_in_forward
 
-    def _backward_targets(self, ctx: RootContext) -> list[FSDPState]:
+    def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        order = ctx.post_forward_order
-        if not ctx.order_recorded or self not in order:
-            return []
-        i = order.index(self)
-        return order[i - 1 : i] if i > 0 else []
+        return self._next_in_backward
 
     def _prefetch(self, targets: list[FSDPState], *, backward: bool) -> None:
         """Issue the all-gathers of ``targets`` without waiting; their own hooks wait."""
