@@ -5,6 +5,8 @@ builds the same model from the same seed once per implementation:
 
 * ``ours``  -- :func:`fully_shard.fully_shard` on every block, then on the root;
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard`` (torch's FSDP2), wrapped the same way;
+  ``--wrap head`` also makes ``[norm, output]`` one group of its own (not resharded after
+  forward) for both, so the head's gradients are reduced as soon as they are ready;
 * ``ddp``   -- ``torch.nn.parallel.DistributedDataParallel``.
 
 All of them train on the same global batches with AdamW. After a warm-up they run interleaved,
@@ -13,9 +15,10 @@ all of them alike. Then the parent process trains an unsharded replica on the sa
 batches (as W micro-batches, see :func:`reference_losses`): the reference for the losses.
 
 Per implementation it prints step time (median and IQR over steps; a step's time is the slowest
-rank's), per-rank peak memory over one step, the bytes each collective sent per step, the final
-loss and the largest per-step loss difference from the reference; for ZeRO-3 also the volume
-theory predicts, and the ratios ours/FSDP2 and ours/DDP. The last line printed is one JSON
+rank's) and how it splits into forward, backward and optimizer, per-rank peak memory over one
+step, the bytes each collective sent per step, the final loss and the largest per-step loss
+difference from the reference; for ZeRO-3 also the volume theory predicts, and the ratios
+ours/FSDP2 and ours/DDP. The last line printed is one JSON
 object with every number. docs/performance.md explains each of them.
 
 Example:
@@ -36,6 +39,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -59,6 +63,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import fully_shard as fs
 
 IMPLS = ("ours", "fsdp2", "ddp")
+PHASES = ("forward", "backward", "optimizer")
 LABELS = {"ours": "fully_shard (ours)", "fsdp2": "torch FSDP2", "ddp": "torch DDP"}
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
@@ -98,6 +103,10 @@ class ModelConfig:
 
 
 SIZES = {
+    # For the benchmark's own test: seconds in all, numbers meaningless except bytes and losses.
+    "tiny": ModelConfig(
+        vocab=64, dim=32, n_layers=2, n_heads=2, ffn_hidden=48, seq_len=16, batch=2
+    ),
     # ~1.1 M parameters; a step takes tens of milliseconds on one CPU thread.
     "small": ModelConfig(
         vocab=1024, dim=128, n_layers=4, n_heads=4, ffn_hidden=352, seq_len=64, batch=4
@@ -107,7 +116,8 @@ SIZES = {
         vocab=4096, dim=256, n_layers=8, n_heads=8, ffn_hidden=704, seq_len=128, batch=4
     ),
 }
-DEFAULT_STEPS = {"small": 30, "medium": 30}
+DEFAULT_STEPS = {"tiny": 4, "small": 30, "medium": 30}
+WRAPS = ("blocks", "head")
 
 
 class RMSNorm(nn.Module):
@@ -234,11 +244,23 @@ def make_batches(cfg: ModelConfig, world: int, n_steps: int, seed: int) -> list[
     return batches
 
 
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: Tensor) -> Tensor:
-    """Forward, backward, AdamW step, zero the gradients; returns the (local) mean loss."""
+def train_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    tokens: Tensor,
+    mark: Callable[[], None] | None = None,
+) -> Tensor:
+    """Forward, backward, AdamW step, zero the gradients; returns the (local) mean loss.
+
+    ``mark`` (if given) is called after the loss and after backward: the phase boundaries.
+    """
     logits = model(tokens[:, :-1])  # (B, S, vocab)
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    if mark is not None:
+        mark()
     loss.backward()  # type: ignore[no-untyped-call]
+    if mark is not None:
+        mark()
     optim.step()
     optim.zero_grad(set_to_none=True)
     return loss.detach()
@@ -260,6 +282,7 @@ class RunOptions:
     warmup: int
     round_steps: int
     impls: tuple[str, ...]
+    wrap: str
     device: str
     seed: int
     lr: float
@@ -285,14 +308,16 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
     """The model from the run's seed, wrapped by ``impl``, and its AdamW optimizer."""
     torch.manual_seed(ctx.opts.seed)
     model: nn.Module = Llama(ctx.opts.model).to(ctx.device)
-    if impl == "ours":
+    if impl in ("ours", "fsdp2"):
+        shard: Callable[..., Any] = fs.fully_shard if impl == "ours" else torch_fully_shard
         for block in model.layers:
-            fs.fully_shard(block, mesh=ctx.mesh)
-        fs.fully_shard(model, mesh=ctx.mesh)
-    elif impl == "fsdp2":
-        for block in model.layers:
-            torch_fully_shard(block, mesh=ctx.mesh)
-        torch_fully_shard(model, mesh=ctx.mesh)
+            shard(block, mesh=ctx.mesh)
+        if ctx.opts.wrap == "head":
+            # Backward starts at the head: keeping it gathered from forward costs no extra
+            # gather, and as its own group its gradients go out first instead of waiting for
+            # the embedding's, the last gradient of the step.
+            shard([model.norm, model.output], mesh=ctx.mesh, reshard_after_forward=False)
+        shard(model, mesh=ctx.mesh)
     elif impl == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # The RoPE tables are the same on every rank: no buffer broadcast before each forward.
@@ -496,8 +521,13 @@ def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
     return {"state_bytes": state, "peak_bytes": peak, **counts}
 
 
-def time_interleaved(ctx: RankContext) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def time_interleaved(
+    ctx: RankContext,
+) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
     """Train every implementation; returns per-impl step times (s) and global losses.
+
+    A step's time is ``[total, forward, backward, optimizer]``: forward includes the loss,
+    optimizer is ``step()`` plus ``zero_grad()``.
 
     Warm-up steps (untimed) first, then rounds of ``round_steps`` steps per implementation in
     rotating order. Every implementation trains on global batch k at its k-th step. A barrier
@@ -505,20 +535,27 @@ def time_interleaved(ctx: RankContext) -> tuple[dict[str, list[float]], dict[str
     """
     opts = ctx.opts
     runs = {impl: build(impl, ctx) for impl in opts.impls}
-    times: dict[str, list[float]] = {impl: [] for impl in opts.impls}
+    times: dict[str, list[list[float]]] = {impl: [] for impl in opts.impls}
     losses: dict[str, list[Tensor]] = {impl: [] for impl in opts.impls}
 
     def one_step(impl: str, timed: bool) -> None:
         model, optim = runs[impl]
         tokens = ctx.batches[len(losses[impl])]
+        marks: list[float] = []
+
+        def mark() -> None:
+            ctx.sync()  # on GPU: a phase ends when its kernels do (costs a sync, not a copy)
+            marks.append(time.perf_counter())
+
         dist.barrier()
         t0 = time.perf_counter()
-        loss = train_step(model, optim, tokens)
+        loss = train_step(model, optim, tokens, mark)
         ctx.sync()
-        elapsed = time.perf_counter() - t0
+        t3 = time.perf_counter()
         losses[impl].append(loss)
         if timed:
-            times[impl].append(elapsed)
+            t1, t2 = marks
+            times[impl].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2])
 
     for _ in range(opts.warmup):
         for impl in opts.impls:
@@ -581,6 +618,13 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
             Path(out_path).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+    # Done, and the results are on disk. Leave without running C++ static destructors: about
+    # one exit in three, after a run this short (--size tiny), aborted there with "terminate
+    # called without an active exception" (no Python frame left; torch 2.13, gloo, after the
+    # profiler has run). An exception above still exits through spawn's error path.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,18 +663,25 @@ def reference_losses(opts: RunOptions) -> list[float]:
     return losses
 
 
-def zero3_theory(cfg: ModelConfig, world: int) -> dict[str, Any]:
+def zero3_theory(cfg: ModelConfig, world: int, wrap: str = "blocks") -> dict[str, Any]:
     """ZeRO-3 bytes per step per rank with dim-0 padding, from the parameter shapes alone.
 
     A group's padded shard is ``sum(ceil(d0 / W) * numel / d0 * 4)`` bytes over its params.
     all-gather = sum over groups of padded shard x gathers (2: blocks, resharded after forward
-    and gathered again for backward; 1: the root, kept from forward to backward);
+    and gathered again for backward; 1: the root, and with ``wrap="head"`` the
+    ``[norm, output]`` group, kept from forward to backward);
     reduce-scatter input = sum over groups of ``W * padded shard``.
+
+    Example:
+        >>> zero3_theory(SIZES["tiny"], 2, "head")["groups"]
+        4
     """
     model = Llama(cfg)
-    in_block = {id(p) for block in model.layers for p in block.parameters()}
     groups = [(list(block.parameters()), 2) for block in model.layers]
-    groups.append(([p for p in model.parameters() if id(p) not in in_block], 1))
+    if wrap == "head":
+        groups.append(([*model.norm.parameters(), *model.output.parameters()], 1))
+    owned = {id(p) for params, _ in groups for p in params}
+    groups.append(([p for p in model.parameters() if id(p) not in owned], 1))
     ag = rs = 0
     for params, gathers in groups:
         shard = sum(
@@ -674,11 +725,18 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -> dict[str, Any]:
     """Fold the ranks' raw numbers into one record per implementation."""
-    theory = zero3_theory(opts.model, opts.world)
+    theory = zero3_theory(opts.model, opts.world, opts.wrap)
     impls: dict[str, Any] = {}
     for impl in opts.impls:
-        per_step = [max(r["times"][impl][i] for r in ranks) for i in range(opts.steps)]
-        ms = [t * 1e3 for t in per_step]
+        # The slowest rank's step; its phases are that rank's phases.
+        per_step = [
+            max((r["times"][impl][i] for r in ranks), key=lambda t: t[0]) for i in range(opts.steps)
+        ]
+        ms = [t[0] * 1e3 for t in per_step]
+        phase_ms = {
+            name: statistics.median(t[k] * 1e3 for t in per_step)
+            for k, name in enumerate(PHASES, start=1)
+        }
         measured = [r["measured"][impl] for r in ranks]
         losses = ranks[0]["losses"][impl]
         comm_bytes = measured[0]["bytes"]
@@ -692,6 +750,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
                 "min": min(ms),
                 "all": ms,
             },
+            "phase_ms_median": phase_ms,
             "peak_bytes_per_rank": [m["peak_bytes"] for m in measured],
             "state_bytes_per_rank": [m["state_bytes"] for m in measured],
             "comm_bytes_per_step": comm_bytes,
@@ -752,7 +811,7 @@ def print_report(s: dict[str, Any]) -> None:
         f"   model: {theory['params'] / 1e6:.2f} M params ({_mib(theory['param_bytes'])} MiB fp32)"
         f", vocab {m['vocab']}, dim {m['dim']}, {m['n_layers']} blocks, seq {m['seq_len']}, "
         f"batch {m['batch']}/rank; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
-        f"(rounds of {cfg['round_steps']}), AdamW lr {cfg['lr']}"
+        f"(rounds of {cfg['round_steps']}), AdamW lr {cfg['lr']}, wrap {cfg['wrap']}"
         f"{' foreach' if cfg['foreach'] else ''}"
     )
     header = (
@@ -794,6 +853,14 @@ def print_report(s: dict[str, Any]) -> None:
                 f"({calls.get('all_gather', 0)} calls), reduce-scatter "
                 f"{ratio['reduce_scatter']:.3f} ({calls.get('reduce_scatter', 0)} calls)"
             )
+    print(
+        "median ms per phase (slowest rank's step): "
+        + ", ".join(
+            f"{LABELS[impl]} " + " / ".join(f"{r['phase_ms_median'][p]:.1f}" for p in PHASES)
+            for impl, r in s["impls"].items()
+        )
+        + "  (forward / backward / optimizer)"
+    )
     for name, r in s["ratios"].items():
         print(
             f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, "
@@ -818,6 +885,12 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
     parser.add_argument("--nproc", type=int, default=2, help="world size: local ranks to spawn")
     parser.add_argument(
         "--impls", default=",".join(IMPLS), help="comma-separated subset of ours,fsdp2,ddp"
+    )
+    parser.add_argument(
+        "--wrap",
+        choices=WRAPS,
+        default="blocks",
+        help="ZeRO-3 groups: every block then the root (default), or also [norm, output]",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -850,6 +923,7 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         warmup=args.warmup,
         round_steps=args.round_steps,
         impls=impls,
+        wrap=args.wrap,
         device=args.device,
         seed=args.seed,
         lr=args.lr,

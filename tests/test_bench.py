@@ -1,0 +1,67 @@
+"""The training benchmark, run end to end on its ``tiny`` size: what it reports must hold.
+
+No timing is checked (these machines are noisy). What is checked is what the benchmark's
+comparison rests on: all three implementations train to the unsharded reference's losses, the
+bytes our engine and torch's FSDP2 put into each collective equal the ZeRO-3 formula, and every
+number the report quotes is there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fully_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_train.py"
+
+
+@pytest.mark.parametrize("wrap", ["blocks", "head"])
+def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_path: Path) -> None:
+    src = str(Path(fully_shard.__file__).parents[1])  # the copy under test, not an install
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--size", "tiny", "--nproc", "2", "--wrap", wrap,
+         "--steps", "3", "--warmup", "1", "--json-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    theory = summary["theory_zero3_per_rank"]
+    groups = {"blocks": 3, "head": 4}[wrap]  # 2 blocks + root (+ [norm, output])
+    assert theory["groups"] == groups
+    assert theory["reduce_scatter"] == theory["param_bytes"]  # dims divide W=2: no padding
+
+    impls = summary["impls"]
+    assert set(impls) == {"ours", "fsdp2", "ddp"}
+    for name in ("ours", "fsdp2"):
+        r = impls[name]
+        assert r["measured_over_theory"] == {"all_gather": 1.0, "reduce_scatter": 1.0}, name
+        assert r["comm_calls_per_step"] == {
+            "all_gather": theory["all_gather_calls"],
+            "reduce_scatter": theory["reduce_scatter_calls"],
+        }, name
+        assert r["comm_bytes_per_rank_equal"], name
+    assert impls["ddp"]["comm_bytes_per_step"] == {"all_reduce": theory["param_bytes"]}
+    for name, r in impls.items():
+        assert len(r["losses"]) == 1 + 3  # warm-up + timed, every step against the reference
+        assert r["max_abs_loss_diff_vs_ref"] < 1e-5, name
+        assert len(r["step_ms"]["all"]) == 3, name
+        assert set(r["phase_ms_median"]) == {"forward", "backward", "optimizer"}, name
+        assert sum(r["phase_ms_median"].values()) > 0, name
+        assert all(p > 0 for p in r["peak_bytes_per_rank"]), name
+    # Sharded state: the parameters plus AdamW's two moments, each split over 2 ranks, is less
+    # than DDP's (parameters, moments and gradient buckets, whole on every rank).
+    assert max(impls["ours"]["state_bytes_per_rank"]) < max(impls["ddp"]["state_bytes_per_rank"])
+    assert set(summary["ratios"]) == {"ours/fsdp2", "ours/ddp"}
+    assert "ratio ours/ddp: step time (median)" in proc.stdout
