@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, in tests only
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
@@ -37,11 +38,13 @@ def _build() -> nn.Module:
     )
 
 
-def _shard(model: nn.Module) -> nn.Module:
+def _shard(model: nn.Module, impl: str = "ours") -> nn.Module:
+    """Every block, then the root, with ours or (``impl="torch"``) torch's FSDP2."""
+    shard = fully_shard if impl == "ours" else torch_fully_shard
     mesh = mesh_1d()
     for block in model:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        shard(block, mesh=mesh)
+    return shard(model, mesh=mesh)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -57,8 +60,10 @@ def _optim_full(optim: torch.optim.Optimizer, model: nn.Module) -> dict[str, tor
     return out
 
 
-def _train_and_save(path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model = _shard(_build())
+def _train_and_save(
+    path: str, impl: str = "ours"
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = _shard(_build(), impl)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -73,14 +78,16 @@ def _train_and_save(path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch
     )
 
 
-def _load(path: str, sharded: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _load(
+    path: str, sharded: bool, impl: str = "ours"
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = _build()
     # Different values than the checkpoint, so a load that does nothing fails the comparison.
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(-1.0)
     if sharded:
-        _shard(model)
+        _shard(model, impl)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # One step so the optimizer has state tensors for DCP to load into.
     model(torch.randn(2, DIMS[0])).sum().backward()
@@ -98,6 +105,26 @@ def test_dcp_save_at_2_load_elsewhere(tmp_path: Path, load_world: int, sharded: 
     path = str(tmp_path / "ckpt")
     saved_params, saved_optim = run_distributed(_train_and_save, 2, path)[0]
     for params, optim_state in run_distributed(_load, load_world, path, sharded):
+        assert params.keys() == saved_params.keys()
+        for name, value in saved_params.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+        assert optim_state.keys() == saved_optim.keys()
+        for name, value in saved_optim.items():
+            torch.testing.assert_close(optim_state[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("saver", "loader", "load_world"),
+    [("torch", "ours", 2), ("torch", "ours", 3), ("ours", "torch", 2)],
+)
+def test_dcp_between_torch_fsdp2_and_ours(
+    tmp_path: Path, saver: str, loader: str, load_world: int
+) -> None:
+    """A checkpoint of torch's FSDP2 loads into ours, and ours into FSDP2: same keys, same
+    Shard(0) DTensors, so the full parameters and AdamW moments come back bit for bit."""
+    path = str(tmp_path / "ckpt")
+    saved_params, saved_optim = run_distributed(_train_and_save, 2, path, saver)[0]
+    for params, optim_state in run_distributed(_load, load_world, path, True, loader):
         assert params.keys() == saved_params.keys()
         for name, value in saved_params.items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
