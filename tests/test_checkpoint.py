@@ -100,17 +100,19 @@ def _load(
     return {n: _full(p) for n, p in model.named_parameters()}, _optim_full(optim, model)
 
 
+def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize(("load_world", "sharded"), [(1, False), (1, True), (3, True)])
 def test_dcp_save_at_2_load_elsewhere(tmp_path: Path, load_world: int, sharded: bool) -> None:
     path = str(tmp_path / "ckpt")
     saved_params, saved_optim = run_distributed(_train_and_save, 2, path)[0]
     for params, optim_state in run_distributed(_load, load_world, path, sharded):
-        assert params.keys() == saved_params.keys()
-        for name, value in saved_params.items():
-            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
-        assert optim_state.keys() == saved_optim.keys()
-        for name, value in saved_optim.items():
-            torch.testing.assert_close(optim_state[name], value, rtol=0, atol=0, msg=name)
+        _assert_identical(params, saved_params)
+        _assert_identical(optim_state, saved_optim)
 
 
 @pytest.mark.parametrize(
@@ -125,12 +127,8 @@ def test_dcp_between_torch_fsdp2_and_ours(
     path = str(tmp_path / "ckpt")
     saved_params, saved_optim = run_distributed(_train_and_save, 2, path, saver)[0]
     for params, optim_state in run_distributed(_load, load_world, path, True, loader):
-        assert params.keys() == saved_params.keys()
-        for name, value in saved_params.items():
-            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
-        assert optim_state.keys() == saved_optim.keys()
-        for name, value in saved_optim.items():
-            torch.testing.assert_close(optim_state[name], value, rtol=0, atol=0, msg=name)
+        _assert_identical(params, saved_params)
+        _assert_identical(optim_state, saved_optim)
 
 
 def _state_dict_round_trip() -> None:
