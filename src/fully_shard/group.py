@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ._compat import version
@@ -101,7 +100,7 @@ class ParamGroup:
         self.compute_dtype = params[0].compute_dtype if params else torch.float32
         self._split_numels = [p.padded_numel for p in params]
         self._total = sum(self._split_numels)
-        self._unshard_work: dist.Work | None = None
+        self._unshard_work: Waitable | None = None
         self._ag_output: torch.Tensor | None = None  # (W * total,) only while UNSHARDING
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         self._pending_reduce: _PendingReduce | None = None

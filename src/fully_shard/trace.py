@@ -166,11 +166,10 @@ class _TracedComm:
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+    ) -> Waitable | None:
         start = self.recorder.now()
         work = self.inner.all_gather(output, input, group, async_op)
-        self.recorder.collective("all_gather", self.label, start, _nbytes(input), work, wrap=False)
-        return work
+        return self.recorder.collective("all_gather", self.label, start, _nbytes(input), work)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
@@ -318,7 +317,7 @@ class Recorder:
 
         A synchronous one (``work is None``) is done now. A ``torch.distributed.Work`` ends
         when its future completes (a callback; ``work`` is returned as it is). Any other
-        handle (e.g. the gloo reduce-scatter's all-to-all plus local sum) ends when it has
+        handle (e.g. gloo's all-gather, W broadcasts waited as one) ends when it has
         been waited for: it comes back wrapped so that its ``wait()`` records the end; with
         ``wrap=False`` (the caller must return the handle unchanged) the issue time is all
         that is known, and the event ends now.
