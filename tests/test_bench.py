@@ -20,12 +20,16 @@ import fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_train.py"
+BENCH_COLLECTIVES = ROOT / "benchmarks" / "bench_collectives.py"
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(fully_shard.__file__).parents[1])  # the copy under test, not an install
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
 
 
 @pytest.mark.parametrize("wrap", ["blocks", "head"])
 def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_path: Path) -> None:
-    src = str(Path(fully_shard.__file__).parents[1])  # the copy under test, not an install
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--size", "tiny", "--nproc", "2", "--wrap", wrap,
@@ -33,7 +37,7 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_pat
         capture_output=True,
         text=True,
         timeout=240,
-        env=env,
+        env=_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
@@ -65,3 +69,23 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_pat
     assert max(impls["ours"]["state_bytes_per_rank"]) < max(impls["ddp"]["state_bytes_per_rank"])
     assert set(summary["ratios"]) == {"ours/fsdp2", "ours/ddp"}
     assert "ratio ours/ddp: step time (median)" in proc.stdout
+
+
+def test_bench_collectives_reports_both_versions_of_each_collective() -> None:
+    # The script itself raises if TorchComm's result differs from torch's by a single bit.
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_COLLECTIVES), "--nproc", "2", "--mib", "0.01,0.1",
+         "--calls", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["world"] == 2
+    assert [row["shard_mib"] for row in report["rows"]] == [0.01, 0.1]
+    for row in report["rows"]:
+        for op in ("all_gather", "reduce_scatter"):
+            assert row[f"torch {op}"] > 0 and row[f"ours {op}"] > 0
+            assert row[f"{op} ours/torch"] == row[f"ours {op}"] / row[f"torch {op}"]

@@ -109,11 +109,13 @@ class TorchComm:
       place instead: the same bytes on the wire, no second ``(W * total,)`` buffer.
     - ``all_gather_into_tensor`` there gathers into a temporary flat tensor that it allocates
       on its worker thread, then copies into the output. We issue W broadcasts instead, rank r
-      sending its shard straight into slice r of the output: each rank still sends its shard
-      to every other rank, and no temporary exists.
+      sending its shard straight into slice r of the output: every rank receives each other
+      rank's shard once, as in an all-gather, and no temporary exists.
 
-    Both measured faster per call, never slower, on 2-core CPU loopback (W = 2 and 4, 0.5-16
-    MiB; ``docs/performance.md``). Other backends (NCCL) get their native collectives.
+    On 2 CPU cores over loopback both took 0.6-0.9x torch's time per call for shards of 1.5-16
+    MiB (W = 2 and 4); below that the difference is inside the run-to-run noise
+    (``benchmarks/bench_collectives.py``, ``docs/performance.md``). Other backends (NCCL) get
+    their native collectives.
 
     Example:
         >>> comm = TorchComm()
@@ -135,7 +137,7 @@ class TorchComm:
         if dist.get_backend(group) == dist.Backend.GLOO and output.is_contiguous():
             n, world = input.numel(), group.size()
             mine = output.narrow(0, group.rank() * n, n)
-            if mine.data_ptr() != input.data_ptr():  # the engine gathers in place: never copies
+            if mine.data_ptr() != input.data_ptr():  # the engine passes this very slice: no copy
                 mine.copy_(input)
             works = [
                 dist.broadcast(
