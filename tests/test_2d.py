@@ -13,6 +13,7 @@ import functools
 import math
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -31,11 +32,23 @@ from fully_shard import (
     FullyShardValueError,
     fully_shard,
 )
+from fully_shard._compat import strided_shard_handles_uneven
 from harness import device_mesh, mesh_1d, run_distributed
 from models import MLPStack, ModelArgs, Transformer
 from parity import check_parity, loss_fn, make_token_batch, wrap_layers_then_root
 from test_validation import assert_same, snapshot
 from tp_plan import apply_tp
+
+# The same-dim case below is uneven: torch releases whose _StridedShard cannot describe that
+# (2.6) make fully_shard refuse it, which test_uneven_strided_split_is_refused_... checks.
+SAME_DIM = pytest.param(
+    True,
+    id="same-dim-strided",
+    marks=pytest.mark.skipif(
+        not strided_shard_handles_uneven(),
+        reason=f"torch {torch.__version__} cannot describe an uneven strided layout",
+    ),
+)
 
 # vocab 34 and ffn_hidden 34: 17 rows per TP rank, which two dp ranks split 9 + 8 (uneven).
 ARGS = ModelArgs(vocab_size=34, dim=16, n_layers=2, n_heads=4, ffn_hidden=34, max_seq_len=8)
@@ -132,7 +145,7 @@ def _tp_fsdp_parity(same_dim: bool) -> dict[str, Any]:
     return dict(stats)
 
 
-@pytest.mark.parametrize("same_dim", [False, True], ids=["free-dim", "same-dim-strided"])
+@pytest.mark.parametrize("same_dim", [pytest.param(False, id="free-dim"), SAME_DIM])
 def test_tp_fsdp_2x2_parity(same_dim: bool) -> None:
     for stats in run_distributed(_tp_fsdp_parity, 4, same_dim):
         assert stats["max_loss_diff"] <= 1e-5
@@ -177,7 +190,7 @@ def _tp_fsdp_layout(same_dim: bool) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("same_dim", [False, True], ids=["free-dim", "same-dim-strided"])
+@pytest.mark.parametrize("same_dim", [pytest.param(False, id="free-dim"), SAME_DIM])
 def test_tp_fsdp_placement_and_full_tensor_of_every_parameter(same_dim: bool) -> None:
     seen = run_distributed(_tp_fsdp_layout, 4, same_dim)[0]
     assert len(seen) == len(dict(Transformer(ARGS).named_parameters()))
@@ -249,7 +262,7 @@ def _load_and_continue(path: str) -> list[float]:
     return _train(model, optim, range(SAVE_AFTER, SAVE_AFTER + CONTINUE), rank, world)
 
 
-@pytest.mark.parametrize("same_dim", [False, True], ids=["free-dim", "same-dim-strided"])
+@pytest.mark.parametrize("same_dim", [pytest.param(False, id="free-dim"), SAME_DIM])
 def test_dcp_tp_fsdp_at_4_loads_into_fsdp_at_2_and_unsharded_at_1(
     tmp_path: Path, same_dim: bool
 ) -> None:
@@ -325,3 +338,32 @@ def _bad_2d_case(name: str) -> str:
 )
 def test_bad_2d_composition_is_rejected_and_leaves_the_module_unchanged(name: str) -> None:
     run_distributed(_bad_2d_case, 4, name)
+
+
+def _strided_split_on_a_torch_without_uneven_support() -> str:
+    # torch 2.6's _StridedShard asserts an even split; 2.13's does not. The probe is patched to
+    # answer "no" so that this torch (2.13 in CI) runs the refusal as 2.6 would.
+    root = _root()
+    pair = _tp_pair(root["tp"], root["tp"])  # a.weight (6, 4): TP rows 3 + 3, then dp: uneven
+    before = snapshot(pair)
+    with mock.patch("fully_shard.mesh.strided_shard_handles_uneven", return_value=False):
+        with pytest.raises(FullyShardNotImplementedError) as info:
+            fully_shard(pair, mesh=root["dp"], shard_placement_fn=_same_dim)
+        assert_same(before, snapshot(pair))
+        # Shapes that split evenly (8 rows into 2 x 2 pieces) need no uneven support.
+        even = _Pair()
+        even.a, even.b = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)
+        parallelize_module(even.a, root["tp"], ColwiseParallel())
+        parallelize_module(even.b, root["tp"], RowwiseParallel())
+        fully_shard(even, mesh=root["dp"], shard_placement_fn=_same_dim)
+    if strided_shard_handles_uneven():  # this torch: the refused module shards as it is
+        fully_shard(pair, mesh=root["dp"], shard_placement_fn=_same_dim)
+        pair(torch.randn(3, 4)).sum().backward()
+        assert all(isinstance(p.grad, DTensor) for p in pair.parameters())
+    return str(info.value)
+
+
+def test_uneven_strided_split_is_refused_where_torch_cannot_describe_it() -> None:
+    message = run_distributed(_strided_split_on_a_torch_without_uneven_support, 4)[0]
+    for word in ("'a.weight'", "(6, 4)", "dim 0", "4 uneven pieces", "Shard(d)", "2.13"):
+        assert word in message, (word, message)

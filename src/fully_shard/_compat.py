@@ -2,8 +2,9 @@
 
 Nothing else in the package touches a torch name that starts with an underscore (apart from
 ``nn.Module._parameters``, which every module wrapper reads). Every entry was run on torch
-2.13.0 only (the pinned CI version); older releases in the supported range (>= 2.6) have not
-been run, so this file is the one place to check when they are.
+2.13.0 (the pinned CI version) and 2.6.0 (the oldest supported release; the whole test suite,
+2026-12-03); releases in between have not been run, so this file is the one place to check
+when they are.
 """
 
 from __future__ import annotations
@@ -47,9 +48,18 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
     A parameter sharded by both tensor parallelism (on ``root["tp"]``) and by us (on
     ``root["dp"]``) must be one DTensor on the mesh holding both dims, so that ``full_tensor``
-    and DCP see the whole layout. DeviceMesh keeps that parent but only exposes it privately.
+    and DCP see the whole layout. DeviceMesh keeps that parent but only exposes it privately:
+    as ``mesh._get_root_mesh()`` in recent releases (2.13), through the module-level mesh
+    registry ``_mesh_resources.get_root_mesh`` before that (2.6).
     """
-    return mesh._get_root_mesh()
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        root: DeviceMesh = get_root()
+        return root
+    from torch.distributed.device_mesh import _mesh_resources
+
+    registry_root: DeviceMesh = _mesh_resources.get_root_mesh(mesh)
+    return registry_root
 
 
 def strided_shard(dim: int, split_factor: int) -> Placement:
@@ -64,3 +74,19 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def strided_shard_handles_uneven() -> bool:
+    """Whether this torch's ``_StridedShard`` can describe a dim that does not split evenly.
+
+    torch 2.6 has only ``_split_tensor`` / ``_to_replicate_tensor`` on it, which assert an even
+    split: ``full_tensor()``, ``redistribute`` and DCP fail on an uneven strided layout (even
+    ones work). torch 2.13 computes each rank's uneven size and offset
+    (``local_shard_size_and_offset``). Releases in between were not tried; the probe looks for
+    that method rather than at the version number.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return hasattr(_StridedShard, "local_shard_size_and_offset") or hasattr(
+        _StridedShard, "_local_shard_size_and_offset"
+    )

@@ -25,7 +25,15 @@ from .errors import (
 )
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
-from .mesh import MeshInfo, TPLayout, default_mesh, mesh_info, tp_layout, tp_sharded_dims
+from .mesh import (
+    MeshInfo,
+    TPLayout,
+    check_strided_split,
+    default_mesh,
+    mesh_info,
+    tp_layout,
+    tp_sharded_dims,
+)
 from .module import FSDPModule
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -339,7 +347,10 @@ def _plan_params(
     plans = []
     for p, fqn, slots in found.values():
         tp = tp_layout(info, p, fqn) if isinstance(p, DTensor) else None
-        plans.append(_ParamPlan(p, fqn, slots, _shard_dim(p, fqn, shard_placement_fn, tp), tp))
+        dim = _shard_dim(p, fqn, shard_placement_fn, tp)
+        if tp is not None:
+            check_strided_split(tp, dim, info.shard_size, fqn)
+        plans.append(_ParamPlan(p, fqn, slots, dim, tp))
     return plans
 
 

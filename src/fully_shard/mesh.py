@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ._compat import root_mesh, strided_shard
+from ._compat import root_mesh, strided_shard, strided_shard_handles_uneven
 from .errors import (
     FullyShardNotImplementedError,
     FullyShardStateError,
@@ -242,6 +242,28 @@ def combined_placements(layout: TPLayout, shard_dim: int) -> tuple[Placement, ..
     placements[layout.dp_dim] = dp_placement
     placements[layout.tp_dim] = tp_placement
     return tuple(placements)
+
+
+def check_strided_split(layout: TPLayout, shard_dim: int, dp_size: int, fqn: str) -> None:
+    """Refuse a strided layout (see :func:`combined_placements`) this torch cannot describe.
+
+    Raises before anything is sharded: on a torch whose ``_StridedShard`` needs an even split,
+    ``full_tensor()`` and checkpoints of an uneven one would fail later, far from the cause.
+    """
+    placement = combined_placements(layout, shard_dim)[layout.dp_dim]
+    if type(placement) is Shard:  # not the strided subclass
+        return
+    pieces = dp_size * int(layout.mesh.size())
+    if layout.size[shard_dim] % pieces == 0 or strided_shard_handles_uneven():
+        return
+    raise FullyShardNotImplementedError(
+        f"parameter {fqn!r} of shape {tuple(layout.size)} would be sharded on dim {shard_dim} "
+        f"by both tensor parallelism and fully_shard, into {pieces} uneven pieces; this torch "
+        f"({torch.__version__}) cannot describe an uneven strided layout (full_tensor() and "
+        "checkpoints would fail). Shard another dim (shard_placement_fn returning Shard(d) for "
+        f"a dim tensor parallelism leaves whole), make dim {shard_dim} divisible by {pieces}, "
+        "or use torch 2.13 or newer"
+    )
 
 
 def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
