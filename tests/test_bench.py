@@ -24,9 +24,19 @@ BENCH = ROOT / "benchmarks" / "bench_train.py"
 BENCH_COLLECTIVES = ROOT / "benchmarks" / "bench_collectives.py"
 
 
-def _env() -> dict[str, str]:
-    src = str(Path(fully_shard.__file__).parents[1])  # the copy under test, not an install
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+def _run(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark script on the copy of fully_shard under test (not an install)."""
+    src = str(Path(fully_shard.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 @pytest.mark.skipif(
@@ -36,15 +46,10 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("wrap", ["blocks", "head"])
 def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--size", "tiny", "--nproc", "2", "--wrap", wrap,
-         "--steps", "3", "--warmup", "1", "--json-out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=_env(),
+    proc = _run(
+        BENCH, "--size", "tiny", "--nproc", "2", "--wrap", wrap, "--steps", "3", "--warmup", "1",
+        "--json-out", str(out), timeout=240,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     theory = summary["theory_zero3_per_rank"]
     groups = {"blocks": 3, "head": 4}[wrap]  # 2 blocks + root (+ [norm, output])
@@ -78,15 +83,7 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_pat
 
 def test_bench_collectives_reports_both_versions_of_each_collective() -> None:
     # The script itself raises if TorchComm's result differs from torch's by a single bit.
-    proc = subprocess.run(
-        [sys.executable, str(BENCH_COLLECTIVES), "--nproc", "2", "--mib", "0.01,0.1",
-         "--calls", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _run(BENCH_COLLECTIVES, "--nproc", "2", "--mib", "0.01,0.1", "--calls", "2", timeout=120)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["world"] == 2
     assert [row["shard_mib"] for row in report["rows"]] == [0.01, 0.1]

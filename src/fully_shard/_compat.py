@@ -2,9 +2,9 @@
 
 Nothing else in the package touches a torch name that starts with an underscore (apart from
 ``nn.Module._parameters``, which every module wrapper reads). Every entry was run on torch
-2.13.0 (the pinned CI version) and 2.6.0 (the oldest supported release; the whole test suite,
-2026-12-03); releases in between have not been run, so this file is the one place to check
-when they are.
+2.13.0 (the pinned CI version) and 2.6.0 (the oldest supported release: the test suite but
+``test_ecosystem.py``, 2026-12-03); releases in between have not been run, so this file is the
+one place to check when they are.
 """
 
 from __future__ import annotations
