@@ -277,19 +277,19 @@ def test_dcp_tp_fsdp_at_4_loads_into_fsdp_at_2_and_unsharded_at_1(
 
 
 class _Pair(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 6) -> None:
         super().__init__()
-        self.a = nn.Linear(4, 6, bias=False)
-        self.b = nn.Linear(6, 4, bias=False)
+        self.a = nn.Linear(4, hidden, bias=False)
+        self.b = nn.Linear(hidden, 4, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.b(self.a(x))  # type: ignore[no-any-return]
 
 
-def _tp_pair(mesh_a: DeviceMesh, mesh_b: DeviceMesh) -> _Pair:
+def _tp_pair(mesh_a: DeviceMesh, mesh_b: DeviceMesh, hidden: int = 6) -> _Pair:
     """``a`` column-parallel on ``mesh_a``, ``b`` row-parallel on ``mesh_b``."""
     torch.manual_seed(0)
-    pair = _Pair()
+    pair = _Pair(hidden)
     parallelize_module(pair.a, mesh_a, ColwiseParallel())
     parallelize_module(pair.b, mesh_b, RowwiseParallel())
     return pair
@@ -351,10 +351,7 @@ def _strided_split_on_a_torch_without_uneven_support() -> str:
             fully_shard(pair, mesh=root["dp"], shard_placement_fn=_same_dim)
         assert_same(before, snapshot(pair))
         # Shapes that split evenly (8 rows into 2 x 2 pieces) need no uneven support.
-        even = _Pair()
-        even.a, even.b = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)
-        parallelize_module(even.a, root["tp"], ColwiseParallel())
-        parallelize_module(even.b, root["tp"], RowwiseParallel())
+        even = _tp_pair(root["tp"], root["tp"], hidden=8)
         fully_shard(even, mesh=root["dp"], shard_placement_fn=_same_dim)
     if strided_shard_handles_uneven():  # this torch: the refused module shards as it is
         fully_shard(pair, mesh=root["dp"], shard_placement_fn=_same_dim)
