@@ -1,4 +1,4 @@
-"""Shared pytest configuration: hypothesis profiles and the harness's pool shutdown."""
+"""Shared pytest configuration: hypothesis profiles, crash stacks, the harness's pool shutdown."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ settings.register_profile(
     max_examples=50,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Every process a test starts (torchrun ranks, examples, the harness's workers) inherits this:
+# a rank that dies of a signal prints its Python stacks, so a crash in CI says where it was.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

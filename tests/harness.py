@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -372,6 +373,7 @@ def _worker_main(
 ) -> None:
     """A rank's process: join the process group, then run jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    faulthandler.enable()  # a rank killed by a signal prints its Python stacks to stderr
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update(

@@ -539,5 +539,8 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(how: str) -> None
     assert kind != "finished", "rank 0 trained on although its peer died"
     assert kind in ("RuntimeError", "DistBackendError"), message
     assert elapsed < PG_TIMEOUT_S + 10, f"rank 0 took {elapsed:.1f} s to notice: {message}"
-    # gloo's own words name the cause: the peer's socket closed or reset, or the timeout
-    assert ("by peer" if how == "dies" else "Timed out") in message, message
+    # gloo's own words name the cause: the peer's socket closed or reset, or the timeout. A
+    # gloo all-gather is W broadcasts in flight at once (TorchComm): the first to time out
+    # closes the pair, and the one we wait on may report that closure instead.
+    expected = ("by peer",) if how == "dies" else ("Timed out", "timeout caused pair closure")
+    assert any(words in message for words in expected), message
