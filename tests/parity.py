@@ -37,12 +37,20 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypedDict
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+# For a test that runs torch's own fully_shard as the reference: on CPU it needs
+# Stream.record_event, which torch 2.6 lacks.
+needs_torch_fsdp2_on_cpu = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"torch {torch.__version__}'s own FSDP2 cannot run on CPU (no Stream.record_event)",
+)
 
 __all__ = [
     "Batch",

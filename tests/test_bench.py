@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import fully_shard
+from parity import needs_torch_fsdp2_on_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_train.py"
@@ -39,10 +39,7 @@ def _run(script: Path, *args: str, timeout: float) -> subprocess.CompletedProces
     return proc
 
 
-@pytest.mark.skipif(
-    not hasattr(torch.cpu.Stream, "record_event"),
-    reason=f"torch {torch.__version__}'s own FSDP2 cannot run on CPU (no Stream.record_event)",
-)
+@needs_torch_fsdp2_on_cpu
 @pytest.mark.parametrize("wrap", ["blocks", "head"])
 def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

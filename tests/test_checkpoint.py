@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
 from harness import mesh_1d, run_distributed
+from parity import needs_torch_fsdp2_on_cpu
 
 DIMS = [7, 13, 1, 5, 3]
 
@@ -115,10 +116,7 @@ def test_dcp_save_at_2_load_elsewhere(tmp_path: Path, load_world: int, sharded: 
         _assert_identical(optim_state, saved_optim)
 
 
-@pytest.mark.skipif(
-    not hasattr(torch.cpu.Stream, "record_event"),
-    reason=f"torch {torch.__version__}'s own FSDP2 cannot run on CPU (no Stream.record_event)",
-)
+@needs_torch_fsdp2_on_cpu
 @pytest.mark.parametrize(
     ("saver", "loader", "load_world"),
     [("torch", "ours", 2), ("torch", "ours", 3), ("ours", "torch", 2)],

@@ -98,6 +98,14 @@ class _ChunkOnWait:
         return True
 
 
+def _finish(done: Waitable, async_op: bool) -> Waitable | None:
+    """Hand back ``done`` to be waited later, or wait now (a synchronous call returns None)."""
+    if async_op:
+        return done
+    done.wait()
+    return None
+
+
 class TorchComm:
     """The default ``Comm``: ``torch.distributed`` on the mesh's process groups.
 
@@ -148,11 +156,7 @@ class TorchComm:
                 )
                 for r in range(world)
             ]
-            done = _AllWorks(works)
-            if async_op:
-                return done
-            done.wait()
-            return None
+            return _finish(_AllWorks(works), async_op)
         return self._all_gather(output, input, group=group, async_op=async_op)
 
     def reduce_scatter(
@@ -160,11 +164,7 @@ class TorchComm:
     ) -> Waitable | None:
         if dist.get_backend(group) == dist.Backend.GLOO and input.is_contiguous():
             work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            done = _ChunkOnWait(work, output, input, group.rank())
-            if async_op:
-                return done
-            done.wait()
-            return None
+            return _finish(_ChunkOnWait(work, output, input, group.rank()), async_op)
         return self._reduce_scatter(
             output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
