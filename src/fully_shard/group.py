@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,11 +19,9 @@ from ._compat import version
 from .collectives import Comm, Waitable, copy_in, copy_out, pack_for_reduce_scatter
 from .errors import FullyShardStateError
 from .mesh import MeshInfo
+from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
-
-if TYPE_CHECKING:
-    from .trace import Recorder
 
 
 class GroupState(enum.Enum):
@@ -107,11 +105,36 @@ class ParamGroup:
         self._initialized = False
         # (id, version) of each sharded parameter when the gathered copy was taken.
         self._gathered_versions: list[tuple[int, int]] = []
-        self.recorder: Recorder | None = None  # set only inside fully_shard.trace.record()
+        # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
+        self.observers: tuple[Observer, ...] = (ProfilerLabels(),)
+        # The group's name in labels and messages: its modules' qualified names under the root,
+        # set at the root's lazy init (until then, their class names).
+        self.label = "+".join(type(m).__name__ for m in modules)
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
         return f"ParamGroup([{names}], {self.state.name})"
+
+    # -- observers --------------------------------------------------------------------------
+
+    def begin(self, kind: SpanKind) -> None:
+        """Tell the observers that a span of ``kind`` starts."""
+        for observer in self.observers:
+            observer.begin(self, kind)
+
+    def end(self, kind: SpanKind) -> None:
+        """Tell the observers that the span of ``kind`` ends."""
+        for observer in reversed(self.observers):
+            observer.end(self, kind)
+
+    @contextlib.contextmanager
+    def span(self, kind: SpanKind) -> Iterator[None]:
+        """``begin`` / ``end`` around a block, ``end`` also when the block raises."""
+        self.begin(kind)
+        try:
+            yield
+        finally:
+            self.end(kind)
 
     def _transition(self, new: GroupState, call: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -151,8 +174,7 @@ class ParamGroup:
         if self.state is not GroupState.SHARDED:
             return
         self._transition(GroupState.UNSHARDING, "unshard()")
-        if self.recorder is not None:
-            self.recorder.begin(self, "unshard")
+        self.begin("unshard")
         if not self.params:
             return
         # In place: this rank's input is its own slice of the output, so no separate input
@@ -167,7 +189,12 @@ class ParamGroup:
         self._gathered_versions = self.sharded_versions()
         copy_in(slots, [p.local_shard for p in self.params])
         self._ag_output = output
-        self._unshard_work = self.comm.all_gather(output, flat_in, self.info.shard_group, async_op)
+        group = self.info.shard_group
+        self._unshard_work = issue_observed(
+            self,
+            CollectiveCall("all_gather", flat_in, group),
+            lambda: self.comm.all_gather(output, flat_in, group, async_op),
+        )
 
     def wait_for_unshard(self) -> None:
         """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
@@ -183,6 +210,7 @@ class ParamGroup:
         for p in self.params:
             p.alloc_storage()
         if gathered is not None:
+            self.begin("all_gather_copy_out")
             world = self.info.shard_size
             if self._all_dim0:
                 views = [p.copy_out_view() for p in self.params]
@@ -191,11 +219,17 @@ class ParamGroup:
                 blocks = torch.split(gathered.view(world, -1), self._split_numels, dim=1)
                 for p, block in zip(self.params, blocks, strict=True):
                     p.copy_out(block)
+            self.end("all_gather_copy_out")
         for p in self.params:
-            p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
+            unsharded = p.unsharded_param
+            if unsharded is None:
+                raise RuntimeError(f"{p.fqn}: no unsharded parameter after alloc (internal error)")
+            # Trainable is whatever the sharded parameter says now: requires_grad_() after
+            # fully_shard is followed, not the value it had when it was wrapped.
+            unsharded.requires_grad_(p.sharded_param.requires_grad)
+            p.register(unsharded)
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
-        if self.recorder is not None:
-            self.recorder.end(self, "unshard")
+        self.end("unshard")
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
@@ -212,20 +246,18 @@ class ParamGroup:
             return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        if self.recorder is not None:
-            self.recorder.begin(self, "reshard")
+        self.begin("reshard")
         for p in self.params:
             p.free_storage()
             p.register(p.sharded_param)
         self._transition(GroupState.SHARDED, "reshard()")
-        if self.recorder is not None:
-            self.recorder.end(self, "reshard")
+        self.end("reshard")
 
     # -- gradients --------------------------------------------------------------------------
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of this backward's gradients, or keep them if sync is off."""
-        trainable = [p for p in self.params if p.requires_grad]
+        trainable = [p for p in self.params if p.sharded_param.requires_grad]
         mp = self.config.mp_policy
         if not self.config.requires_gradient_sync:
             for p in trainable:
@@ -243,7 +275,12 @@ class ParamGroup:
         numels = [p.padded_numel for p, _ in with_grad]
         output = torch.empty(sum(numels), dtype=reduce_dtype, device=flat_in.device)
         offsets = [sum(numels[:i]) for i in range(len(numels))]
-        work = self.comm.reduce_scatter(output, flat_in, self.info.shard_group, async_op=True)
+        group = self.info.shard_group
+        work = issue_observed(
+            self,
+            CollectiveCall("reduce_scatter", flat_in, group),
+            lambda: self.comm.reduce_scatter(output, flat_in, group, async_op=True),
+        )
         self._pending_reduce = _PendingReduce(
             work, output, flat_in, [p for p, _ in with_grad], offsets
         )
@@ -259,7 +296,12 @@ class ParamGroup:
         output = pending.output
         replicate_group = self.info.replicate_group
         if replicate_group is not None:
-            self.comm.all_reduce(output, replicate_group, async_op=False)
+            rg = replicate_group
+            issue_observed(
+                self,
+                CollectiveCall("all_reduce", output, rg),
+                lambda: self.comm.all_reduce(output, rg, async_op=False),
+            )
         output.div_(self.info.dp_size)  # SUM over all data-parallel ranks -> mean, like DDP
         with torch.no_grad():
             for p, off in zip(pending.params, pending.offsets, strict=True):

@@ -81,7 +81,6 @@ class ShardedParam:
         self.global_size = param.size()
         self.orig_dtype = param.dtype
         self.compute_dtype = compute_dtype
-        self.requires_grad = param.requires_grad
         self.shard_device = shard_device
 
         world, rank = info.shard_size, info.shard_rank
@@ -117,6 +116,11 @@ class ShardedParam:
         self._storage_alias: torch.Tensor | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
+
+    @property
+    def requires_grad(self) -> bool:
+        """Trainable now: read off the sharded parameter, which ``requires_grad_()`` changes."""
+        return self.sharded_param.requires_grad
 
     def _local_size(self) -> torch.Size:
         size = list(self.orig_size)
