@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import TorchComm
+from .debug import check_from_environment
 from .errors import (
     FullyShardNotImplementedError,
     FullyShardTypeError,
@@ -154,6 +155,7 @@ def fully_shard(
     _check_params(plans, info, mp_policy)
 
     # -- every check passed: from here on the module changes --------------------------------
+    check_from_environment()  # FULLY_SHARD_CHECK_COLLECTIVES=1: the desync checker, job-wide
     shard_device = offload_policy.shard_device(info.device)
     pin = offload_policy.use_pinned_memory() and torch.cuda.is_available()
     params = [

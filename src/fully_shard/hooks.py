@@ -270,9 +270,8 @@ class FSDPState:
             state.root = ctx
             state.is_root = state is self
             state._next_in_forward, state._next_in_backward = [], []  # the new root records
-            state.group.label = "+".join(
-                names.get(id(m)) or type(m).__name__ for m in state.modules
-            )
+            # Qualified names under the root ("root" for the root module itself), as in trace.
+            state.group.label = "+".join(names.get(id(m)) or "root" for m in state.modules)
             state.group.lazy_init()
 
     def ensure_initialized(self) -> RootContext:

@@ -132,6 +132,7 @@ class ProfilerLabels:
     def begin(self, group: ParamGroup, kind: SpanKind) -> None:
         if kind in ("forward", "backward"):  # span user code: torch labels only its hooks
             return
+        self.end(group, kind)  # one left open by an exception
         rf = record_function(f"FSDP::{kind} ({group.label})")
         rf.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self._open[(id(group), kind)] = rf
@@ -148,12 +149,35 @@ class ProfilerLabels:
             return issue()
 
 
+class JobWideObservers:
+    """Observers of every group's collectives in this process, beside each group's own.
+
+    The one process-wide slot of the engine (STYLE.md asks for none): the collective checker
+    (``fully_shard.debug``) must see every collective of a job, in order, including those
+    issued from autograd's threads, which a ``ContextVar`` set by the user's thread would not
+    reach. Only ``fully_shard.debug`` sets it; empty, it costs one truth test per collective.
+
+    Example:
+        >>> JOB_WIDE.observers  # nothing is checked unless debug.check_collectives is on
+        ()
+    """
+
+    def __init__(self) -> None:
+        self.observers: tuple[Observer, ...] = ()
+
+
+JOB_WIDE = JobWideObservers()
+
+
 def issue_observed(
     group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
 ) -> Waitable | None:
-    """Issue ``call`` through every observer of ``group``, the first one outermost."""
+    """Issue ``call`` through every observer of ``group`` (and the job-wide ones, outermost)."""
+    observers = group.observers
+    if JOB_WIDE.observers:
+        observers = JOB_WIDE.observers + observers
     run = issue
-    for observer in reversed(group.observers):
+    for observer in reversed(observers):
         run = _bind(observer, group, call, run)
     return run()
 
