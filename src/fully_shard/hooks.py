@@ -541,7 +541,12 @@ class FSDPState:
 
     def reset(self) -> None:
         """Forget a failed iteration: nothing stays gathered, no flag stays armed."""
-        states = self.root.states if self.root is not None else [self]
+        ctx = self.root
+        states = ctx.states if ctx is not None else [self]
         for state in states:
             state.group.discard_iteration_state()
+        if ctx is not None and not ctx.order_recorded:
+            # A first forward that raised half-way recorded part of the order, and the ranks
+            # may have raised at different places: record it again, whole, next time.
+            ctx.forward_order, ctx.post_forward_order = [], []
         self.end_iteration()
