@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._compat import inside_backward, queue_end_of_backward
+from ._compat import inside_backward, queue_end_of_backward, will_run_in_this_backward
 from .errors import FullyShardStateError
 from .group import GroupState, ParamGroup
 from .observer import SpanKind
@@ -137,7 +137,7 @@ class _AfterModuleBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        ctx.state._module_backward_done()
+        ctx.state._module_backward_done(ctx)  # ctx is this node (the outputs' grad_fn)
         return (None, *grads)
 
 
@@ -181,8 +181,8 @@ class _Iteration:
     outputs_hooked: int = 0  # outputs given a pre-backward hook in this forward
     ran_forward: bool = False
     prefetched: bool = False  # gathered ahead of use by another group's hook
-    # _AfterModuleBackward nodes created by this group's forwards whose backward has not run.
-    backwards_pending: int = 0
+    # The _AfterModuleBackward nodes of this group's forwards whose backward has not run.
+    pending_nodes: list[Any] = field(default_factory=list)
     backward_end_unseen: bool = False  # a forward of the group had no input needing grad
 
 
@@ -355,7 +355,7 @@ class FSDPState:
             return args, kwargs
         passed = _AfterModuleBackward.apply(self, *needing_grad)  # type: ignore[no-untyped-call]
         swap = {id(t): out for t, out in zip(needing_grad, passed, strict=True)}
-        self.it.backwards_pending += 1
+        self.it.pending_nodes.append(passed[0].grad_fn)
         return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))  # type: ignore[no-any-return]
 
     @_labelled("post_forward")
@@ -477,13 +477,15 @@ class FSDPState:
                 state.group.reshard()
                 state.it.prefetched = False
 
-    def _module_backward_done(self) -> None:
-        """A module's backward is over (``_AfterModuleBackward``): post-backward when it was
-        the last of this group's forwards still waiting."""
+    def _module_backward_done(self, node: object) -> None:
+        """A module call's backward is over (``_AfterModuleBackward``): post-backward unless
+        another call of this group still runs its backward in this pass."""
         it = self.it
-        it.backwards_pending -= 1
-        done = it.backwards_pending <= 0 and not it.backward_end_unseen
-        if done and self.phase is Phase.PRE_BACKWARD:
+        it.pending_nodes = [n for n in it.pending_nodes if n is not node]
+        if it.backward_end_unseen or self.phase is not Phase.PRE_BACKWARD:
+            return
+        # Calls whose backward comes in a later pass (F1 F2 B1 B2) do not hold the group.
+        if not any(will_run_in_this_backward(n) for n in it.pending_nodes):
             self._post_backward()
 
     @_labelled("post_backward")
