@@ -13,8 +13,9 @@ schedule, then once more after an optimizer step and a second round.
 Memory: with ``reshard_after_forward=True`` a block group that resharded after each forward is
 gathered again for each backward that needs it (the root, which keeps its parameters after
 forward, reshards after the first backward and is gathered again for the second); between
-forwards and backwards only the root stays gathered, and during a backward at most the root and two blocks (the one computing and
-the one prefetched) are: the unsharded parameter bytes alive never exceed
+forwards and backwards only the root stays gathered, and during a backward at most the root
+and two blocks (the one computing and the one prefetched) are: the unsharded parameter bytes
+alive never exceed
 ``root + 2 * largest block`` (checked with ``fully_shard.trace``).
 """
 
