@@ -184,3 +184,26 @@ def test_each_backward_gathers_again_and_memory_stays_bounded() -> None:
     # through the first backward, reshards after it and is gathered once more for the second.
     assert r["backward_gathers"] == 2 * len(blocks) + 1
     assert r["peak"] <= r["nbytes"]["root"] + 2 * max(blocks)
+
+
+def _forwards_without_backward_free_their_graphs() -> bool:
+    import gc
+
+    torch.manual_seed(0)
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d())
+    states = [m._fsdp_state for m in model.layers]
+    for _ in range(3):  # e.g. a validation loss computed with grad on, never backpropagated
+        out = model(torch.randn(ROWS, DIMS[0]))
+        del out
+    gc.collect()
+    # Each block saw 3 forwards; the graphs are gone, so no node of them is still held.
+    held = [ref for s in states for ref in s.it.pending_nodes if ref() is not None]
+    model(torch.randn(ROWS, DIMS[0])).sum().backward()  # and training goes on
+    return len(states) > 0 and all(len(s.it.pending_nodes) == 0 for s in states) and not held
+
+
+def test_forwards_that_get_no_backward_do_not_keep_their_graphs() -> None:
+    assert all(run_distributed(_forwards_without_backward_free_their_graphs, 2))

@@ -181,8 +181,9 @@ class _Iteration:
     outputs_hooked: int = 0  # outputs given a pre-backward hook in this forward
     ran_forward: bool = False
     prefetched: bool = False  # gathered ahead of use by another group's hook
-    # The _AfterModuleBackward nodes of this group's forwards whose backward has not run.
-    pending_nodes: list[Any] = field(default_factory=list)
+    # The _AfterModuleBackward nodes of this group's forwards whose backward has not run, held
+    # weakly: a forward whose graph is dropped without a backward must not keep it alive.
+    pending_nodes: list[weakref.ref[Any]] = field(default_factory=list)
     backward_end_unseen: bool = False  # a forward of the group had no input needing grad
 
 
@@ -355,7 +356,7 @@ class FSDPState:
             return args, kwargs
         passed = _AfterModuleBackward.apply(self, *needing_grad)  # type: ignore[no-untyped-call]
         swap = {id(t): out for t, out in zip(needing_grad, passed, strict=True)}
-        self.it.pending_nodes.append(passed[0].grad_fn)
+        self.it.pending_nodes.append(weakref.ref(passed[0].grad_fn))
         return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))  # type: ignore[no-any-return]
 
     @_labelled("post_forward")
@@ -481,11 +482,13 @@ class FSDPState:
         """A module call's backward is over (``_AfterModuleBackward``): post-backward unless
         another call of this group still runs its backward in this pass."""
         it = self.it
-        it.pending_nodes = [n for n in it.pending_nodes if n is not node]
+        alive = [(ref, ref()) for ref in it.pending_nodes]
+        it.pending_nodes = [ref for ref, n in alive if n is not None and n is not node]
         if it.backward_end_unseen or self.phase is not Phase.PRE_BACKWARD:
             return
         # Calls whose backward comes in a later pass (F1 F2 B1 B2) do not hold the group.
-        if not any(will_run_in_this_backward(n) for n in it.pending_nodes):
+        others = (n for _, n in alive if n is not None and n is not node)
+        if not any(will_run_in_this_backward(n) for n in others):
             self._post_backward()
 
     @_labelled("post_backward")
