@@ -165,7 +165,7 @@ def fully_shard(
             info,
             shard_device,
             pin,
-            mp_policy.compute_dtype(plan.param.dtype),
+            mp_policy,
             plan.tp,
         )
         for plan in plans

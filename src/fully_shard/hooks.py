@@ -294,7 +294,7 @@ class FSDPState:
         if self._forward_depth == 0 and not self._modules_to_run:
             # Without an output that needs grad no backward will come to free the parameters.
             if self.reshard_after_forward or self._outputs_hooked == 0:
-                self.group.reshard()
+                self.group.reshard_after_forward(backward_follows=self._outputs_hooked > 0)
             self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
             if not ctx.order_recorded and self not in ctx.post_forward_order:
                 ctx.post_forward_order.append(self)
