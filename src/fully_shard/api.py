@@ -401,11 +401,16 @@ def _check_params(plans: list[_ParamPlan], info: MeshInfo, mp_policy: MixedPreci
                 f"parameters are on {device} but the mesh is on {info.mesh.device_type}; "
                 f"build the mesh on '{device.type}' or move the module to {info.device}"
             )
-    dtypes = {mp_policy.compute_dtype(plan.param.dtype) for plan in plans}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{plan.fqn}:{plan.param.dtype}" for plan in plans[:6])
+    # Frozen parameters of any dtype can share a group (it gathers as bytes then); one
+    # reduce-scatter still needs its trainable parameters' gradients in one dtype.
+    trainable = [plan for plan in plans if plan.param.requires_grad]
+    reduce_dtypes = {mp_policy.reduce_dtype_for(plan.param.dtype) for plan in trainable}
+    if len(reduce_dtypes) > 1:
+        listing = ", ".join(f"{plan.fqn}:{plan.param.dtype}" for plan in trainable[:6])
         raise FullyShardValueError(
-            f"the parameters of one fully_shard group have different dtypes ({listing}) and "
-            "one all-gather needs one dtype; convert the module to one dtype, set "
-            "MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls"
+            f"the trainable parameters of one fully_shard group have different dtypes "
+            f"({listing}) and one reduce-scatter needs one gradient dtype; freeze the odd "
+            "ones (frozen parameters of any dtype can share a group), convert the module to "
+            "one dtype, set MixedPrecisionPolicy(param_dtype=...), or shard them in separate "
+            "calls"
         )
