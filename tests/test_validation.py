@@ -22,7 +22,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from fully_shard import (
     CPUOffloadPolicy,
     FullyShardError,
-    FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -173,10 +172,10 @@ CASES = [
         ("reshard_after_forward=3", "divide"),
     ),
     Case(
-        "reshard_after_forward an int",
-        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward=1),
-        FullyShardNotImplementedError,
-        ("reshard_after_forward=1", "not supported yet"),
+        "reshard_after_forward an int below 1",
+        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward=0),
+        FullyShardValueError,
+        ("reshard_after_forward=0", "divide"),
     ),
     Case(
         "shard_placement_fn not callable",
