@@ -14,6 +14,9 @@ reduce-scatter::
     reduce-scatter out (total,)        = this rank's summed chunk of every parameter
 
 ``total`` is the sum of the parameters' padded shard sizes, so every rank sends the same bytes.
+The all-gather buffer has one dtype (:func:`wire_dtype`): the parameters' compute dtype, or
+``uint8`` when they differ (each :class:`GatherInput` then takes its byte size); padding is
+written as zeros.
 """
 
 from __future__ import annotations
