@@ -122,7 +122,7 @@ def _assert_idle(model: nn.Module) -> None:
     """Nothing gathered, nothing in flight, no phase or flag left armed, on every group."""
     rank = dist.get_rank()
     ctx = model._fsdp_state.root
-    if ctx is not None and (ctx.in_backward or ctx.callback_queued or ctx.reducing is not None):
+    if ctx is not None and ctx.it != type(ctx.it)():
         raise AssertionError(f"rank {rank}: root context still armed: {ctx}")
     for m in model.modules():
         state = m.__dict__.get("_fsdp_state")
@@ -131,7 +131,7 @@ def _assert_idle(model: nn.Module) -> None:
         group = state.group
         if state.phase.name != "IDLE" or group.state.name != "SHARDED":
             raise AssertionError(f"rank {rank}: {state!r} is not idle and sharded")
-        if group.has_pending_reduce() or state._forward_depth or state._modules_to_run:
+        if group.has_pending_reduce() or state.it != type(state.it)():
             raise AssertionError(f"rank {rank}: {state!r} has per-iteration state left")
         for sp in group.params:
             mod, name = sp.slots[0]

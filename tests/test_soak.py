@@ -58,7 +58,7 @@ def _hooks(model: nn.Module) -> list[int]:
         counts += [len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)]
         state = m.__dict__.get("_fsdp_state")
         if state is not None:
-            counts.append(len(state._grad_hooks))
+            counts.append(len(state._module_hooks))
             for sp in state.group.params:
                 hooks = getattr(sp.unsharded_param, "_post_accumulate_grad_hooks", None)
                 counts.append(0 if hooks is None else len(hooks))

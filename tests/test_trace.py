@@ -71,15 +71,16 @@ def _record_steps() -> dict[str, Any]:
         gen = torch.Generator().manual_seed(dist.get_rank())
         _step(model, gen)  # lazy init outside the recording
         groups = [m._fsdp_state.group for m in [model, *model.layers]]
+        observers = [g.observers for g in groups]
         with trace.record(model) as rec:
             with pytest.raises(FullyShardStateError, match="already being recorded"):
                 trace.record(model).__enter__()
             _step(model, gen)
-        # Off again: the engine's hooks see None and the original Comm, and nothing is added.
+        # Off again: the groups have their observers and Comm of before, and nothing is added.
         n_events = len(rec.events)
         _step(model, gen)
         results[f"off_{reshard}"] = (
-            all(g.recorder is None for g in groups)
+            [g.observers for g in groups] == observers
             and all(g.comm is comm for g in groups)
             and len(rec.events) == n_events
         )

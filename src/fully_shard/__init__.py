@@ -7,10 +7,11 @@ Example:
     >>> fully_shard(model)  # doctest: +SKIP
 """
 
-from . import trace
+from . import debug, trace
 from .api import fully_shard
 from .collectives import Comm, CommRecord, CountingComm, TorchComm
 from .errors import (
+    FullyShardDesyncError,
     FullyShardError,
     FullyShardNotImplementedError,
     FullyShardStateError,
@@ -28,6 +29,7 @@ __all__ = [
     "CommRecord",
     "CountingComm",
     "FSDPModule",
+    "FullyShardDesyncError",
     "FullyShardError",
     "FullyShardNotImplementedError",
     "FullyShardStateError",
@@ -37,6 +39,7 @@ __all__ = [
     "OffloadPolicy",
     "TorchComm",
     "UnshardHandle",
+    "debug",
     "fully_shard",
     "register_fsdp_forward_method",
     "trace",

@@ -90,3 +90,20 @@ def strided_shard_handles_uneven() -> bool:
     return hasattr(_StridedShard, "local_shard_size_and_offset") or hasattr(
         _StridedShard, "_local_shard_size_and_offset"
     )
+
+
+def will_run_in_this_backward(node: object) -> bool:
+    """Whether autograd's current backward pass will execute ``node`` (a ``grad_fn``).
+
+    Tells a group's post-backward whether another of its module calls still has to run its
+    backward in *this* pass (F1 F2 then ``(l1 + l2).backward()``) or only in a later one
+    (F1 F2 B1 B2), so that the group is freed as soon as this pass is done with it. The engine
+    knows (activation checkpointing asks it the same way) but says so only privately:
+    ``torch._C._will_engine_execute_node``, on 2.6 and 2.13. Where it is missing we answer
+    "yes", which keeps the group gathered until the end of the backward pass: correct, more
+    memory.
+    """
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return True
+    return bool(will_execute(node))

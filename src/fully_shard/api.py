@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import TorchComm
+from .debug import check_from_environment
 from .errors import (
     FullyShardNotImplementedError,
     FullyShardTypeError,
@@ -166,6 +167,7 @@ def fully_shard(
     _check_post_forward_plans(post_forward_size, plans)
 
     # -- every check passed: from here on the module changes --------------------------------
+    check_from_environment()  # FULLY_SHARD_CHECK_COLLECTIVES=1: the desync checker, job-wide
     # Creating process groups is collective: only now, when no rank can still refuse the call.
     post_forward = (
         None if post_forward_size is None else post_forward_subgroup(info, post_forward_size)

@@ -70,3 +70,22 @@ class FullyShardStateError(FullyShardError, RuntimeError):
         ... except FullyShardStateError:
         ...     model.reset_iter_state()  # then start the iteration again
     """
+
+
+class FullyShardDesyncError(FullyShardError, RuntimeError):
+    """Ranks were about to issue different collectives (``fully_shard.debug``'s checker).
+
+    Raised on every rank that reaches the check, before anything is sent. The message names
+    the call number, this rank's collective and what every other rank issued instead, or that
+    it did not arrive within the timeout (with its last call). Call ``reset_iter_state()`` on
+    the root to make the model usable again.
+
+    Example:
+        >>> from fully_shard import FullyShardDesyncError, debug
+        >>> with debug.check_collectives(timeout=30):  # doctest: +SKIP
+        ...     try:
+        ...         model(x).sum().backward()
+        ...     except FullyShardDesyncError as e:
+        ...         print(e)  # which module and which call diverged, on every rank
+        ...         model.reset_iter_state()
+    """

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,11 +40,9 @@ from .collectives import (
 )
 from .errors import FullyShardStateError
 from .mesh import MeshInfo, SubgroupInfo
+from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
-
-if TYPE_CHECKING:
-    from .trace import Recorder
 
 
 class GroupState(enum.Enum):
@@ -140,11 +138,36 @@ class ParamGroup:
         # (id, version) of each sharded parameter when the gathered copy (and so any
         # post-forward piece cut from it) was taken.
         self._gathered_versions: list[tuple[int, int]] = []
-        self.recorder: Recorder | None = None  # set only inside fully_shard.trace.record()
+        # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
+        self.observers: tuple[Observer, ...] = (ProfilerLabels(),)
+        # The group's name in labels and messages: its modules' qualified names under the root,
+        # set at the root's lazy init (until then, their class names).
+        self.label = "+".join(type(m).__name__ for m in modules)
 
     def __repr__(self) -> str:
         names = ", ".join(p.fqn for p in self.params)
         return f"ParamGroup([{names}], {self.state.name})"
+
+    # -- observers --------------------------------------------------------------------------
+
+    def begin(self, kind: SpanKind) -> None:
+        """Tell the observers that a span of ``kind`` starts."""
+        for observer in self.observers:
+            observer.begin(self, kind)
+
+    def end(self, kind: SpanKind) -> None:
+        """Tell the observers that the span of ``kind`` ends."""
+        for observer in reversed(self.observers):
+            observer.end(self, kind)
+
+    @contextlib.contextmanager
+    def span(self, kind: SpanKind) -> Iterator[None]:
+        """``begin`` / ``end`` around a block, ``end`` also when the block raises."""
+        self.begin(kind)
+        try:
+            yield
+        finally:
+            self.end(kind)
 
     def _transition(self, new: GroupState, call: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -184,8 +207,7 @@ class ParamGroup:
         if self.state is not GroupState.SHARDED:
             return
         self._transition(GroupState.UNSHARDING, "unshard()")
-        if self.recorder is not None:
-            self.recorder.begin(self, "unshard")
+        self.begin("unshard")
         if not self.params:
             return
         group, world, rank = self.info.shard_group, self.info.shard_size, self.info.shard_rank
@@ -206,7 +228,11 @@ class ParamGroup:
         output = torch.empty(total * world, dtype=wire, device=self.info.device)
         flat_in = output.narrow(0, rank * total, total)
         copy_in(flat_in, flat_inputs)
-        work = self.comm.all_gather(output, flat_in, group, async_op)
+        work = issue_observed(
+            self,
+            CollectiveCall("all_gather", flat_in, group),
+            lambda: self.comm.all_gather(output, flat_in, group, async_op),
+        )
         self._gather = _PendingGather(work, output, world, inputs, sizes)
 
     def _pieces_usable(self) -> bool:
@@ -228,12 +254,19 @@ class ParamGroup:
         if pending is not None:
             if pending.work is not None:
                 pending.work.wait()
+            self.begin("all_gather_copy_out")
             self._copy_out(pending)
+            self.end("all_gather_copy_out")
         for p in self.params:
-            p.register(p.unsharded_param)  # type: ignore[arg-type]  # set by alloc_storage
+            unsharded = p.unsharded_param
+            if unsharded is None:
+                raise RuntimeError(f"{p.fqn}: no unsharded parameter after alloc (internal error)")
+            # Trainable is whatever the sharded parameter says now: requires_grad_() after
+            # fully_shard is followed, not the value it had when it was wrapped.
+            unsharded.requires_grad_(p.sharded_param.requires_grad)
+            p.register(unsharded)
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
-        if self.recorder is not None:
-            self.recorder.end(self, "unshard")
+        self.end("unshard")
 
     def _copy_out(self, pending: _PendingGather) -> None:
         # Allocated only now, not at unshard: a prefetched group in flight holds just the
@@ -268,13 +301,10 @@ class ParamGroup:
         if sub is None or not backward_follows or self.state is not GroupState.UNSHARDED:
             self.reshard()
             return
-        if self.recorder is not None:
-            self.recorder.begin(self, "reshard")
-        for p in self.params:
-            p.reshard_to_post_forward(sub.size, sub.rank)
-        self._transition(GroupState.SHARDED, "reshard_after_forward()")
-        if self.recorder is not None:
-            self.recorder.end(self, "reshard")
+        with self.span("reshard"):
+            for p in self.params:
+                p.reshard_to_post_forward(sub.size, sub.rank)
+            self._transition(GroupState.SHARDED, "reshard_after_forward()")
 
     def post_forward_nbytes(self) -> int:
         """Bytes this rank holds in post-forward pieces now (``reshard_after_forward=n``)."""
@@ -290,20 +320,18 @@ class ParamGroup:
             return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        if self.recorder is not None:
-            self.recorder.begin(self, "reshard")
+        self.begin("reshard")
         for p in self.params:
             p.free_storage()
             p.register(p.sharded_param)
         self._transition(GroupState.SHARDED, "reshard()")
-        if self.recorder is not None:
-            self.recorder.end(self, "reshard")
+        self.end("reshard")
 
     # -- gradients --------------------------------------------------------------------------
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of this backward's gradients, or keep them if sync is off."""
-        trainable = [p for p in self.params if p.requires_grad]
+        trainable = [p for p in self.params if p.sharded_param.requires_grad]
         mp = self.config.mp_policy
         if not self.config.requires_gradient_sync:
             for p in trainable:
@@ -321,7 +349,12 @@ class ParamGroup:
         numels = [p.padded_numel for p, _ in with_grad]
         output = torch.empty(sum(numels), dtype=reduce_dtype, device=flat_in.device)
         offsets = [sum(numels[:i]) for i in range(len(numels))]
-        work = self.comm.reduce_scatter(output, flat_in, self.info.shard_group, async_op=True)
+        group = self.info.shard_group
+        work = issue_observed(
+            self,
+            CollectiveCall("reduce_scatter", flat_in, group),
+            lambda: self.comm.reduce_scatter(output, flat_in, group, async_op=True),
+        )
         self._pending_reduce = _PendingReduce(
             work, output, flat_in, [p for p, _ in with_grad], offsets
         )
@@ -337,7 +370,12 @@ class ParamGroup:
         output = pending.output
         replicate_group = self.info.replicate_group
         if replicate_group is not None:
-            self.comm.all_reduce(output, replicate_group, async_op=False)
+            rg = replicate_group
+            issue_observed(
+                self,
+                CollectiveCall("all_reduce", output, rg),
+                lambda: self.comm.all_reduce(output, rg, async_op=False),
+            )
         output.div_(self.info.dp_size)  # SUM over all data-parallel ranks -> mean, like DDP
         with torch.no_grad():
             for p, off in zip(pending.params, pending.offsets, strict=True):

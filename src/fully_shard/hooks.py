@@ -4,18 +4,26 @@ Per ``fully_shard`` call there is one :class:`FSDPState` (its group plus its pla
 iteration). Hooks, in the order one training step meets them:
 
 1. forward pre-hook: the first one ever makes its module the root (lazy init: the root finds
-   every state below it); then unshard the group.
+   every state below it); then unshard the group, and pass the module's inputs that need a
+   gradient through :class:`_AfterModuleBackward`, whose backward runs once autograd is done
+   with every node of the module's forward.
 2. forward post-hook: hook the outputs' gradients (pre-backward), reshard if the group reshards
    after forward (or if no backward can follow).
 3. pre-backward (a hook on an output's gradient): unshard again; the first one in a backward
    queues the root's end-of-backward callback.
-4. post-backward (a post-accumulate-grad hook on every trainable unsharded parameter): once all
-   of the group's gradients are in, reduce-scatter them and reshard.
-5. end of backward (root callback): finish groups whose post-backward never fired (unused
-   parameters, frozen groups), wait for the last reduce-scatter, reset for the next step.
+4. post-backward (the backward of ``_AfterModuleBackward``): the module's backward is over, so
+   nothing needs its unsharded parameters any more, frozen ones included: reduce-scatter the
+   gradients and reshard. (Not when the last *trainable* gradient arrives: a frozen weight
+   beside trainable adapters is still needed for the gradient of the module's input.)
+5. end of backward (root callback): finish groups whose post-backward never ran (inputs that
+   need no gradient, unused modules), wait for the last reduce-scatter, end the iteration.
 
 Activation checkpointing re-runs forwards inside backward; the hooks see ``in_backward`` and
 only make sure the parameters are gathered.
+
+Everything that lives for one iteration sits in one record, :class:`_Iteration` per state and
+:class:`_RootIteration` per root, and :meth:`FSDPState.end_iteration` replaces them all: the
+end of backward and ``reset_iter_state()`` go through it, so no flag can be left behind.
 
 Prefetch: the first iteration records the order in which groups start and finish their
 forward. From then on a group that starts its forward issues the next group's all-gather
@@ -29,18 +37,19 @@ records the same order, so every rank issues the same collectives in the same or
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from ._compat import inside_backward, queue_end_of_backward
+from ._compat import inside_backward, queue_end_of_backward, will_run_in_this_backward
 from .errors import FullyShardStateError
 from .group import GroupState, ParamGroup
+from .observer import SpanKind
 
 
 class Phase(enum.Enum):
@@ -96,20 +105,86 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return _map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-@dataclass
-class RootContext:
-    """Shared by all states under one root: the per-backward flags and the state list."""
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-    states: list[FSDPState] = field(default_factory=list)  # pre-order of the module tree
+
+def _labelled(kind: SpanKind) -> Callable[[_F], _F]:
+    """Run a hook body inside the group's ``kind`` span (profiler labels, tools)."""
+
+    def wrap(hook: _F) -> _F:
+        @functools.wraps(hook)
+        def run(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
+            with self.group.span(kind):
+                return hook(self, *args, **kwargs)
+
+        return run  # type: ignore[return-value]  # same signature as hook
+
+    return wrap
+
+
+class _AfterModuleBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is done.
+
+    The node is created before any of the module's ops, so autograd runs it after every node
+    of the module's forward that leads to these inputs (and AccumulateGrad nodes run as soon
+    as they are ready): then no gradient computation needs the module's parameters.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.state._module_backward_done(ctx)  # ctx is this node (the outputs' grad_fn)
+        return (None, *grads)
+
+
+@dataclass
+class _RootIteration:
+    """What one iteration (forward + backward) sets on the root context."""
+
+    forward_running: bool = False  # between the root's forward pre- and post-hook
     in_backward: bool = False
     callback_queued: bool = False
     # The one group whose reduce-scatter may still be in flight (bounds gradient memory).
     reducing: ParamGroup | None = None
+
+
+@dataclass
+class RootContext:
+    """Shared by all states under one root: the state list, the recorded order, root flags."""
+
+    states: list[FSDPState] = field(default_factory=list)  # pre-order of the module tree
+    it: _RootIteration = field(default_factory=_RootIteration)
+    # Whether the end of backward waits for the last reduce-scatter (set_is_last_backward on
+    # any module of the tree sets it, as in torch).
+    is_last_backward: bool = True
     # Recorded during the first forward, for implicit prefetching.
     forward_order: list[FSDPState] = field(default_factory=list)  # by forward start
     post_forward_order: list[FSDPState] = field(default_factory=list)  # by forward end
     order_recorded: bool = False
     forward_iter: int = 0  # root forwards started so far
+
+    @property
+    def in_backward(self) -> bool:
+        return self.it.in_backward
+
+
+@dataclass
+class _Iteration:
+    """What one iteration sets on one state; a new one replaces it at the end of backward."""
+
+    forward_depth: int = 0  # forwards of this group's modules in flight (nesting)
+    modules_to_run: set[int] = field(default_factory=set)  # modules yet to run this forward
+    outputs_hooked: int = 0  # outputs given a pre-backward hook in this forward
+    ran_forward: bool = False
+    prefetched: bool = False  # gathered ahead of use by another group's hook
+    # The _AfterModuleBackward nodes of this group's forwards whose backward has not run, held
+    # weakly: a forward whose graph is dropped without a backward must not keep it alive.
+    pending_nodes: list[weakref.ref[Any]] = field(default_factory=list)
+    backward_end_unseen: bool = False  # a forward of the group had no input needing grad
 
 
 def _assign_implicit_prefetch(ctx: RootContext) -> None:
@@ -146,23 +221,13 @@ class FSDPState:
         self.phase = Phase.IDLE
         self.root: RootContext | None = None
         self.is_root = False
-        self.is_last_backward = True
-        self._forward_depth = 0  # forwards of this group's modules in flight (nesting)
-        self._modules_to_run: set[int] = set()  # modules of the group yet to run this forward
-        self._outputs_hooked = 0  # outputs given a pre-backward hook in this forward
-        self._ran_forward = False  # since the last end of backward
-        self._grads_ready = 0
-        self._grads_expected = sum(1 for p in group.params if p.requires_grad)
-        self._grad_hooks: list[RemovableHandle] = []
-        self._module_hooks: list[RemovableHandle] = []
-        # (id, version) of each sharded parameter when this group's forward began: an in-place
-        # change before its backward (optimizer.step(), load_state_dict) would pair the forward's
-        # activations with new parameter values, so the backward refuses it.
-        self._forward_versions: list[tuple[int, int]] | None = None
+        # set_is_last_backward before the lazy init: the root context takes the root's value.
+        self.is_last_backward_preset = True
+        self.it = _Iteration()
+        self._module_hooks: list[Any] = []
         # Explicit prefetch targets (None: the recorded order decides).
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self._prefetched = False  # gathered ahead of use by another group's hook
         # The implicit prefetch targets, read off the recorded order once it is complete.
         self._next_in_forward: list[FSDPState] = []
         self._next_in_backward: list[FSDPState] = []
@@ -190,10 +255,12 @@ class FSDPState:
 
     def lazy_init(self) -> None:
         """Make this state the root of every state below its modules (first forward/unshard)."""
-        ctx = RootContext()
+        ctx = RootContext(is_last_backward=self.is_last_backward_preset)
         seen: set[int] = set()
+        names: dict[int, str] = {}
         for top in self.modules:
-            for module in top.modules():
+            for name, module in top.named_modules():
+                names.setdefault(id(module), name)
                 state = getattr(module, "_fsdp_state", None)
                 if isinstance(state, FSDPState) and id(state) not in seen:
                     seen.add(id(state))
@@ -204,17 +271,9 @@ class FSDPState:
             state.root = ctx
             state.is_root = state is self
             state._next_in_forward, state._next_in_backward = [], []  # the new root records
-            state._init_group()
-
-    def _init_group(self) -> None:
-        self.group.lazy_init()
-        if self._grad_hooks:
-            return
-        for p in self.group.params:
-            if p.requires_grad and p.unsharded_param is not None:
-                # torch's stubs leave this hook API unannotated
-                register = p.unsharded_param.register_post_accumulate_grad_hook
-                self._grad_hooks.append(register(self._on_grad_ready))  # type: ignore[no-untyped-call]
+            # Qualified names under the root ("root" for the root module itself), as in trace.
+            state.group.label = "+".join(names.get(id(m)) or "root" for m in state.modules)
+            state.group.lazy_init()
 
     def ensure_initialized(self) -> RootContext:
         if self.root is None:
@@ -235,35 +294,41 @@ class FSDPState:
 
     # -- forward -------------------------------------------------------------------------------
 
+    @_labelled("pre_forward")
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         ctx = self.ensure_initialized()
-        if ctx.in_backward and not inside_backward():
+        if ctx.it.in_backward and not inside_backward():
             raise FullyShardStateError(
                 f"forward of {type(module).__name__} came while the previous backward had not "
                 "finished (it raised, e.g. a second backward through a freed graph); call "
                 "reset_iter_state() on the root module before the next forward"
             )
-        if ctx.in_backward:  # recomputation under activation checkpointing
+        if ctx.it.in_backward:  # recomputation under activation checkpointing
             self.group.unshard(async_op=False)
             self.group.wait_for_unshard()
             return args, kwargs
-        if self._forward_depth == 0 and not self._modules_to_run:
+        it = self.it
+        if self.is_root and it.forward_depth == 0:
+            ctx.it.forward_running = True
+        if it.forward_depth == 0 and not it.modules_to_run:
             # The group's forward starts with the first of its modules and ends when every
-            # module has run (a list group is gathered once, not once per module).
-            self._modules_to_run = {id(m) for m in self.modules}
-            self._outputs_hooked = 0
+            # module has run (a list group is gathered once, not once per module). Outside
+            # the root's forward (a head called per loss chunk) a module runs on its own.
+            it.modules_to_run = (
+                {id(m) for m in self.modules} if ctx.it.forward_running else {id(module)}
+            )
+            it.outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
-            if self.group.recorder is not None:
-                self.group.recorder.begin(self.group, "forward")
-            self._ran_forward = True
-            self._forward_versions = self.group.sharded_versions()
-            if self.group.gathered_copy_is_stale(self._forward_versions):
+            self.group.begin("forward")
+            it.ran_forward = True
+            versions = self.group.sharded_versions()
+            if self.group.gathered_copy_is_stale(versions):
                 # Gathered before an optimizer step (explicit unshard, reshard_after_backward=
                 # False): every rank stepped, so every rank gathers again.
                 self.group.reshard()
-            self._prefetched = False
+            it.prefetched = False
             if self.is_root:
                 ctx.forward_iter += 1
             self._forward_iter = ctx.forward_iter
@@ -272,63 +337,91 @@ class FSDPState:
             self.group.unshard(async_op=False)  # a no-op if prefetched: already in flight
             self.group.wait_for_unshard()
             self._prefetch(self._forward_targets(), backward=False)
-        self._forward_depth += 1
+        it.forward_depth += 1
         input_dtype = self.group.config.mp_policy.forward_input_dtype()
         if input_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), input_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._hook_module_backward(args, kwargs)
         return args, kwargs
 
+    def _hook_module_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        needing_grad = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if not needing_grad:
+            # No node can tell when this call's backward is over (its inputs need no
+            # gradient): the root's end of backward finishes the group.
+            self.it.backward_end_unseen = True
+            return args, kwargs
+        passed = _AfterModuleBackward.apply(self, *needing_grad)  # type: ignore[no-untyped-call]
+        swap = {id(t): out for t, out in zip(needing_grad, passed, strict=True)}
+        self.it.pending_nodes.append(weakref.ref(passed[0].grad_fn))
+        return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))  # type: ignore[no-any-return]
+
+    @_labelled("post_forward")
     def post_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         ctx = self.root
-        if ctx is None or ctx.in_backward:
+        if ctx is None or ctx.it.in_backward:
             return output
-        self._forward_depth -= 1
-        self._modules_to_run.discard(id(module))
+        it = self.it
+        it.forward_depth -= 1
+        it.modules_to_run.discard(id(module))
         if torch.is_grad_enabled():
+            versions = self.group.sharded_versions()
+            hook = functools.partial(self._pre_backward, versions)
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
-                    self._outputs_hooked += 1
-        if self._forward_depth == 0 and not self._modules_to_run:
-            # Without an output that needs grad no backward will come to free the parameters.
-            if self.reshard_after_forward or self._outputs_hooked == 0:
-                self.group.reshard_after_forward(backward_follows=self._outputs_hooked > 0)
-            self._set_phase(Phase.IDLE, f"end of forward of {type(module).__name__}")
-            if not ctx.order_recorded and self not in ctx.post_forward_order:
-                ctx.post_forward_order.append(self)
-            if self.is_root:
-                if not ctx.order_recorded:
-                    _assign_implicit_prefetch(ctx)
-                    ctx.order_recorded = True
-                self._release_unused_prefetches(ctx)
-            if self.group.recorder is not None:
-                self.group.recorder.end(self.group, "forward")
+                    t.register_hook(hook)  # type: ignore[no-untyped-call]
+                    it.outputs_hooked += 1
+        if it.forward_depth == 0 and not it.modules_to_run:
+            self._end_forward(ctx)
+        if self.is_root and it.forward_depth == 0:
+            # Groups whose forward started in this root forward but skipped a module (a list
+            # group whose head is called per loss chunk afterwards) end their forward here.
+            for state in ctx.states:
+                if state.phase is Phase.FORWARD and state.it.forward_depth == 0:
+                    state.it.modules_to_run = set()
+                    state._end_forward(ctx)
+            ctx.it.forward_running = False
+            if not ctx.order_recorded:
+                _assign_implicit_prefetch(ctx)
+                ctx.order_recorded = True
+            self._release_unused_prefetches(ctx)
         out_dtype = self.group.config.mp_policy.output_dtype
         if out_dtype is not None:
             output = _cast_floating(output, out_dtype)
         return output
 
+    def _end_forward(self, ctx: RootContext) -> None:
+        # Without an output that needs grad no backward will come to free the parameters.
+        if self.reshard_after_forward or self.it.outputs_hooked == 0:
+            self.group.reshard_after_forward(backward_follows=self.it.outputs_hooked > 0)
+        self._set_phase(Phase.IDLE, "end of forward")
+        if not ctx.order_recorded and self not in ctx.post_forward_order:
+            ctx.post_forward_order.append(self)
+        self.group.end("forward")
+
     # -- backward ------------------------------------------------------------------------------
 
     def _ensure_end_of_backward_callback(self) -> RootContext:
         ctx = self.ensure_initialized()
-        if not ctx.callback_queued:
+        if not ctx.it.callback_queued:
             root = next(s for s in ctx.states if s.is_root)
             queue_end_of_backward(root._end_of_backward)
-            ctx.callback_queued = True
-            ctx.in_backward = True
+            ctx.it.callback_queued = True
+            ctx.it.in_backward = True
         return ctx
 
-    def _check_unchanged_since_forward(self) -> None:
-        before = self._forward_versions
-        if before is None:
-            return
-        for p, was, now in zip(
-            self.group.params, before, self.group.sharded_versions(), strict=True
-        ):
-            if was != now:
+    def _check_unchanged_since_forward(self, before: list[tuple[int, int]]) -> None:
+        # ``before``: the sharded versions when the forward whose output this is ended. An
+        # in-place change since (optimizer.step(), load_state_dict) would pair that forward's
+        # activations with new parameter values.
+        now = self.group.sharded_versions()
+        for p, was, current in zip(self.group.params, before, now, strict=True):
+            if was != current:
                 raise FullyShardStateError(
                     f"backward came for parameter {p.fqn!r}, which was changed in place "
                     "(optimizer.step(), load_state_dict(), ...) after its forward; the "
@@ -336,17 +429,17 @@ class FSDPState:
                     "after backward; call reset_iter_state() on the root module to recover"
                 )
 
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, forward_versions: list[tuple[int, int]], grad: torch.Tensor) -> None:
+        self._check_unchanged_since_forward(forward_versions)
         self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
-            self._check_unchanged_since_forward()
-            self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
-            self._prefetched = False
-            if self.group.recorder is not None:
-                self.group.recorder.begin(self.group, "backward")
-            self.group.unshard(async_op=False)
-            self.group.wait_for_unshard()
-            self._prefetch(self._backward_targets(), backward=True)
+            with self.group.span("pre_backward"):
+                self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
+                self.it.prefetched = False
+                self.group.begin("backward")
+                self.group.unshard(async_op=False)
+                self.group.wait_for_unshard()
+                self._prefetch(self._backward_targets(), backward=True)
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -370,82 +463,95 @@ class FSDPState:
             # started its backward.
             if target.phase is not Phase.IDLE:
                 continue
-            if backward and not target._ran_forward:
+            if backward and not target.it.ran_forward:
                 continue
             ctx = target.root
             if not backward and ctx is not None and target._forward_iter == ctx.forward_iter:
                 continue
             target.group.unshard(async_op=True)
-            target._prefetched = True
+            target.it.prefetched = True
 
     def _release_unused_prefetches(self, ctx: RootContext) -> None:
         # A prefetched group whose forward did not run this time (control flow changed).
         for state in ctx.states:
-            if state._prefetched and state._forward_iter != ctx.forward_iter:
+            if state.it.prefetched and state._forward_iter != ctx.forward_iter:
                 state.group.reshard()
-                state._prefetched = False
+                state.it.prefetched = False
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._ensure_end_of_backward_callback()
-        self._grads_ready += 1
-        if self._grads_ready == self._grads_expected:
+    def _module_backward_done(self, node: object) -> None:
+        """A module call's backward is over (``_AfterModuleBackward``): post-backward unless
+        another call of this group still runs its backward in this pass."""
+        it = self.it
+        alive = [(ref, ref()) for ref in it.pending_nodes]
+        it.pending_nodes = [ref for ref, n in alive if n is not None and n is not node]
+        if it.backward_end_unseen or self.phase is not Phase.PRE_BACKWARD:
+            return
+        # Calls whose backward comes in a later pass (F1 F2 B1 B2) do not hold the group.
+        others = (n for _, n in alive if n is not None and n is not node)
+        if not any(will_run_in_this_backward(n) for n in others):
             self._post_backward()
 
+    @_labelled("post_backward")
     def _post_backward(self) -> None:
         ctx = self.ensure_initialized()
-        self._set_phase(Phase.POST_BACKWARD, "post-backward (all gradients of a group ready)")
-        self._grads_ready = 0
+        self._set_phase(Phase.POST_BACKWARD, "post-backward (the group's backward is done)")
         if self.group.config.requires_gradient_sync:
             # At most one group's reduce-scatter in flight: its buffers are full-size grads.
-            if ctx.reducing is not None and ctx.reducing is not self.group:
-                ctx.reducing.finish_reduce()
-            self.group.reduce_grads()
-            ctx.reducing = self.group if self.group.has_pending_reduce() else None
+            reducing = ctx.it.reducing
+            if reducing is not None and reducing is not self.group:
+                reducing.finish_reduce()
+            with self.group.span("post_backward_reduce"):
+                self.group.reduce_grads()
+            ctx.it.reducing = self.group if self.group.has_pending_reduce() else None
         else:
             self.group.reduce_grads()
         if self.group.config.reshard_after_backward:
             self.group.reshard()
-        if self.group.recorder is not None:
-            self.group.recorder.end(self.group, "backward")
+        self.group.end("backward")
 
     def _end_of_backward(self) -> None:
         """Root only: runs once after autograd finished the whole backward pass."""
         ctx = self.ensure_initialized()
-        for state in reversed(ctx.states):
-            if state.phase is Phase.PRE_BACKWARD or (
-                state._ran_forward and state.phase is not Phase.POST_BACKWARD
-            ):
-                state._post_backward()
-        if self.is_last_backward:
+        with self.group.span("root_post_backward_callback"):
+            for state in reversed(ctx.states):
+                if state.phase is Phase.PRE_BACKWARD or (
+                    state.it.ran_forward and state.phase is not Phase.POST_BACKWARD
+                ):
+                    state._post_backward()
+            if ctx.is_last_backward:
+                for state in ctx.states:
+                    state.group.finish_reduce()
+                ctx.it.reducing = None
             for state in ctx.states:
-                state.group.finish_reduce()
-            ctx.reducing = None
-        for state in ctx.states:
-            if state.group.config.reshard_after_backward:
-                state.group.reshard()
-            state._set_phase(Phase.IDLE, "end of backward")
-            state._prefetched = False
-            state._ran_forward = False
-            state._grads_ready = 0
-            state._forward_versions = None
-        ctx.in_backward = False
-        ctx.callback_queued = False
+                if state.group.config.reshard_after_backward:
+                    state.group.reshard()
+            self.end_iteration(keep_reducing=not ctx.is_last_backward)
 
-    # -- recovery ------------------------------------------------------------------------------
+    # -- the end of an iteration ---------------------------------------------------------------
+
+    def end_iteration(self, *, keep_reducing: bool = False) -> None:
+        """Every state of this root starts the next iteration afresh (phase idle, no flag).
+
+        ``keep_reducing``: a reduce-scatter left in flight on purpose (``is_last_backward``
+        False) stays the one the next backward finishes first.
+        """
+        ctx = self.root
+        states = ctx.states if ctx is not None else [self]
+        for state in states:
+            state.phase = Phase.IDLE
+            state.it = _Iteration()
+        if ctx is not None:
+            reducing = ctx.it.reducing if keep_reducing else None
+            ctx.it = _RootIteration(reducing=reducing)
 
     def reset(self) -> None:
         """Forget a failed iteration: nothing stays gathered, no flag stays armed."""
-        states = self.root.states if self.root is not None else [self]
+        ctx = self.root
+        states = ctx.states if ctx is not None else [self]
         for state in states:
             state.group.discard_iteration_state()
-            state.phase = Phase.IDLE
-            state._forward_depth = 0
-            state._modules_to_run = set()
-            state._ran_forward = False
-            state._prefetched = False
-            state._grads_ready = 0
-            state._forward_versions = None
-        if self.root is not None:
-            self.root.in_backward = False
-            self.root.callback_queued = False
-            self.root.reducing = None
+        if ctx is not None and not ctx.order_recorded:
+            # A first forward that raised half-way recorded part of the order, and the ranks
+            # may have raised at different places: record it again, whole, next time.
+            ctx.forward_order, ctx.post_forward_order = [], []
+        self.end_iteration()

@@ -178,12 +178,19 @@ class FSDPModule(nn.Module):
 
         If False, the root does not wait for the final reduce-scatter at the end of backward;
         it is finished by the next backward. Set True before the backward whose gradients the
-        optimizer reads.
+        optimizer reads. The flag belongs to the whole model: calling this on any sharded
+        module sets it for every group under the same root (as torch's FSDP2 does); before
+        the first forward, the root's own call decides.
 
         Example:
             >>> model.set_is_last_backward(False)  # doctest: +SKIP
         """
-        self._fsdp_state.is_last_backward = _check_bool("is_last_backward", is_last_backward)
+        flag = _check_bool("is_last_backward", is_last_backward)
+        state = self._fsdp_state
+        if state.root is not None:
+            state.root.is_last_backward = flag  # one flag for the whole tree, as in torch
+        else:
+            state.is_last_backward_preset = flag
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather ``modules`` (asynchronously) as soon as this module's forward starts.

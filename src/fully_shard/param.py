@@ -188,7 +188,6 @@ class ShardedParam:
         source = param.to_local() if isinstance(param, DTensor) else param
         self.orig_size = source.size()
         self.global_size = param.size()
-        self.requires_grad = param.requires_grad
         self.shard_device = shard_device
         self.layout = ShardLayout.chunked(
             self.orig_size, shard_dim, info.shard_size, info.shard_rank
@@ -221,6 +220,11 @@ class ShardedParam:
         self._gathering: ShardLayout | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
+
+    @property
+    def requires_grad(self) -> bool:
+        """Trainable now: read off the sharded parameter, which ``requires_grad_()`` changes."""
+        return self.sharded_param.requires_grad
 
     def __repr__(self) -> str:
         names = self.info.mesh.mesh_dim_names

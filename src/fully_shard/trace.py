@@ -17,9 +17,9 @@ compute dtype, of every group) when an unshard or a reshard ends: the memory tim
 storage is allocated when the all-gather is waited for, so a prefetched group in flight counts
 only from then on.)
 
-Nothing is recorded, and nothing is allocated, while no recorder is attached: the engine's only
-cost is one ``is None`` check per unshard, reshard, forward and backward of a group.
-Collectives are timed by a ``Comm`` wrapper that exists only while recording.
+Nothing is recorded, and nothing is allocated, while no recorder is attached: a recorder is one
+of the groups' observers (``fully_shard.observer``) only inside its ``with`` block, and it
+times the collectives the engine issues through it.
 
 Example:
     On every rank:
@@ -51,10 +51,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import Comm, Waitable
+from .collectives import Waitable
 from .errors import FullyShardStateError, FullyShardValueError
 from .group import ParamGroup
 from .hooks import FSDPState
+from .observer import CollectiveCall, SpanKind
 
 Kind = Literal[
     "forward", "backward", "unshard", "reshard", "all_gather", "reduce_scatter", "all_reduce"
@@ -73,6 +74,14 @@ _TRACKS: dict[str, str] = {
 _TRACK_ORDER = ("compute", "unshard / reshard", "collectives")
 
 ROOT_LABEL = "root"
+
+# The engine's spans this recorder keeps (the hook-body spans are for the profiler).
+_SPANS: dict[str, Kind] = {
+    "forward": "forward",
+    "backward": "backward",
+    "unshard": "unshard",
+    "reshard": "reshard",
+}
 
 
 @dataclass(frozen=True)
@@ -156,37 +165,6 @@ def _unsharded_nbytes(group: ParamGroup) -> list[int]:
     return [p.padded_full_size.numel() * p.compute_dtype.itemsize for p in group.params]
 
 
-class _TracedComm:
-    """The group's ``Comm`` while recording: forwards every call and times it."""
-
-    def __init__(self, inner: Comm, recorder: Recorder, label: str) -> None:
-        self.inner = inner
-        self.recorder = recorder
-        self.label = label
-
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> Waitable | None:
-        start = self.recorder.now()
-        work = self.inner.all_gather(output, input, group, async_op)
-        return self.recorder.collective("all_gather", self.label, start, _nbytes(input), work)
-
-    def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> Waitable | None:
-        start = self.recorder.now()
-        work = self.inner.reduce_scatter(output, input, group, async_op)
-        return self.recorder.collective("reduce_scatter", self.label, start, _nbytes(input), work)
-
-    def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
-        start = self.recorder.now()
-        work = self.inner.all_reduce(tensor, group, async_op)
-        self.recorder.collective("all_reduce", self.label, start, _nbytes(tensor), work, wrap=False)
-        return work
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -211,15 +189,13 @@ class _Attached:
     group: ParamGroup
     label: str
     param_nbytes: list[int]
-    comm: _TracedComm
 
 
 class Recorder:
     """Records every group under ``module`` while attached (``with`` block); see :func:`record`.
 
-    The engine calls :meth:`begin` and :meth:`end`; :meth:`recording` returns what was seen.
-    ``set_comm`` inside the ``with`` block replaces the timing wrapper: collectives are then
-    no longer recorded (and the new ``Comm`` is kept on exit).
+    It is an observer of every group (``fully_shard.observer.Observer``): the engine calls
+    :meth:`begin`, :meth:`end` and :meth:`collective`; :meth:`recording` returns what was seen.
 
     Example:
         >>> with Recorder(model) as rec:  # doctest: +SKIP
@@ -236,9 +212,7 @@ class Recorder:
         for label, state in _states(module):
             group = state.group
             if id(group) not in self._attached:
-                self._attached[id(group)] = _Attached(
-                    group, label, _unsharded_nbytes(group), _TracedComm(group.comm, self, label)
-                )
+                self._attached[id(group)] = _Attached(group, label, _unsharded_nbytes(group))
         if not self._attached:
             raise FullyShardValueError(
                 f"trace.record() found no fully_shard group in {type(module).__name__}: "
@@ -256,15 +230,13 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         for a in self._attached.values():
-            if a.group.recorder is not None:
+            if any(isinstance(o, Recorder) for o in a.group.observers):
                 raise FullyShardStateError(
                     f"group {a.label!r} is already being recorded: trace.record() blocks on "
                     "one model cannot nest; use one recorder for the whole model"
                 )
         for a in self._attached.values():
-            a.comm.inner = a.group.comm
-            a.group.comm = a.comm
-            a.group.recorder = self
+            a.group.observers = (*a.group.observers, self)
         self.active = True
         self._sample()
         return self
@@ -277,9 +249,7 @@ class Recorder:
     ) -> None:
         self._sample()
         for a in self._attached.values():
-            a.group.recorder = None
-            if a.group.comm is a.comm:  # else set_comm replaced it while recording: keep theirs
-                a.group.comm = a.comm.inner
+            a.group.observers = tuple(o for o in a.group.observers if o is not self)
         self._open.clear()
         self.active = False
 
@@ -289,38 +259,44 @@ class Recorder:
         """Wall-clock nanoseconds on this recorder's clock."""
         return time.perf_counter_ns() + self._offset
 
-    def begin(self, group: ParamGroup, kind: Kind) -> None:
+    def begin(self, group: ParamGroup, kind: SpanKind) -> None:
         """A span of ``kind`` starts for ``group`` (called by the engine)."""
-        self._open[(id(group), kind)] = self.now()
+        if kind in _SPANS:
+            self._open[(id(group), kind)] = self.now()
 
-    def end(self, group: ParamGroup, kind: Kind) -> None:
+    def end(self, group: ParamGroup, kind: SpanKind) -> None:
         """The open span of ``kind`` ends for ``group``; one never begun is ignored."""
+        if kind not in _SPANS:
+            return
         start = self._open.pop((id(group), kind), None)
         attached = self._attached.get(id(group))
         if start is None or attached is None:
             return
         nbytes = sum(attached.param_nbytes) if kind in ("unshard", "reshard") else 0
-        self.events.append(TraceEvent(kind, attached.label, start, self.now(), nbytes))
+        self.events.append(TraceEvent(_SPANS[kind], attached.label, start, self.now(), nbytes))
         if kind in ("unshard", "reshard"):
             self._sample()
 
     def collective(
-        self,
-        kind: Kind,
-        label: str,
-        start: int,
-        nbytes: int,
-        work: Waitable | None,
-        wrap: bool = True,
+        self, group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
+    ) -> Waitable | None:
+        """Issue and time one of ``group``'s collectives (called by the engine)."""
+        attached = self._attached.get(id(group))
+        if attached is None:
+            return issue()
+        start = self.now()
+        work = issue()
+        return self._timed(call.op, attached.label, start, call.nbytes, work)
+
+    def _timed(
+        self, kind: Kind, label: str, start: int, nbytes: int, work: Waitable | None
     ) -> Waitable | None:
         """Record a collective issued at ``start``; returns the handle to give the engine.
 
         A synchronous one (``work is None``) is done now. A ``torch.distributed.Work`` ends
         when its future completes (a callback; ``work`` is returned as it is). Any other
         handle (e.g. gloo's all-gather, W broadcasts waited as one) ends when it has
-        been waited for: it comes back wrapped so that its ``wait()`` records the end; with
-        ``wrap=False`` (the caller must return the handle unchanged) the issue time is all
-        that is known, and the event ends now.
+        been waited for: it comes back wrapped so that its ``wait()`` records the end.
         """
 
         def done(*_: object) -> None:
@@ -339,9 +315,6 @@ class Recorder:
             else:
                 future.add_done_callback(done)
                 return work
-        if not wrap:
-            done()
-            return work
         return _TimedWait(work, done)
 
     def _sample(self) -> None:

@@ -1,0 +1,302 @@
+"""Runtime behaviours torch FSDP2 users rely on, run side by side with torch's ``fully_shard``.
+
+Each scenario builds one model, deep-copies it three times and trains
+
+- ``ours``: sharded by ``fully_shard.fully_shard``,
+- ``torch``: sharded by ``torch.distributed.fsdp.fully_shard`` (the drop-in reference),
+- ``ref``: unsharded, on the whole global batch,
+
+for a few AdamW steps on W gloo ranks. Every rank takes its own rows of the same global batch,
+so the reference's gradient is the average of the ranks' gradients. Each step compares the
+loss, every gradient (``full_tensor()``, or ``None`` on all three) and, at the end, every
+parameter: ours against the reference and ours against torch's, within 1e-5 (fp32).
+
+Scenarios: LoRA-style blocks whose frozen base weight sits beside trainable adapters (every
+frozen position, with activation checkpointing and with mixed precision), ``requires_grad_``
+after wrapping (freeze and unfreeze), ``set_is_last_backward`` on a non-root module, and the
+profiler labels.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fully_shard import MixedPrecisionPolicy, fully_shard
+from harness import mesh_1d, run_distributed
+from parity import needs_torch_fsdp2_on_cpu
+
+pytestmark = needs_torch_fsdp2_on_cpu
+
+DIM, RANK_R, ROWS = 8, 2, 2  # width, adapter rank, rows per rank
+ATOL, RTOL = 1e-5, 1e-5
+
+
+class LoRABlock(nn.Module):
+    """``base(x) + b(a(x))``: a (frozen) base projection beside a low-rank adapter."""
+
+    def __init__(self, use_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.base = nn.Linear(DIM, DIM)
+        self.a = nn.Linear(DIM, RANK_R, bias=False)
+        self.b = nn.Linear(RANK_R, DIM, bias=False)
+        self.use_checkpoint = use_checkpoint
+
+    def _run(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.base(x) + self.b(self.a(x)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.use_checkpoint:
+            out: Tensor = checkpoint(self._run, x, use_reentrant=False)
+            return out
+        return self._run(x)
+
+
+class LoRANet(nn.Module):
+    """``stem`` (root group) then two LoRA blocks (one group each): the issue's minimal case."""
+
+    def __init__(self, use_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList(LoRABlock(use_checkpoint) for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def _freeze(model: nn.Module, which: str) -> None:
+    """Freeze the parameters named by ``which`` ("base", "a", "b", "stem", joined by '+')."""
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if any(w in parts for w in which.split("+")):
+            p.requires_grad_(False)
+
+
+def _wrap(model: nn.Module, shard: Callable[..., Any], **options: Any) -> None:
+    for layer in model.get_submodule("layers").children():
+        shard(layer, mesh=mesh_1d(), **options)
+    shard(model, mesh=mesh_1d(), **options)
+
+
+def _full(t: Tensor | None) -> Tensor | None:
+    if t is None:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(what: str, got: Tensor | None, want: Tensor | None, atol: float) -> None:
+    if (got is None) != (want is None):
+        raise AssertionError(f"{what}: one side is None: {got is None} vs {want is None}")
+    if got is not None and want is not None:
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=RTOL, msg=what)
+
+
+def _side_by_side(
+    make: Callable[[], nn.Module],
+    *,
+    steps: int = 3,
+    options: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
+    between: Callable[[int, nn.Module], None] | None = None,
+    compare_ref: bool = True,
+    atol: float = ATOL,
+) -> None:
+    """Train ours, torch's and the reference; raise on the first difference (on every rank).
+
+    ``options``: the keyword arguments for our ``fully_shard`` and torch's, in that order.
+    ``between(step, model)`` runs on all three models before each step (e.g. to freeze).
+    """
+    torch.manual_seed(0)
+    base = make()
+    models = {"ours": copy.deepcopy(base), "torch": copy.deepcopy(base), "ref": base}
+    _wrap(models["ours"], fully_shard, **options[0])
+    _wrap(models["torch"], torch_fully_shard, **options[1])
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(steps):
+        if between is not None:
+            for m in models.values():
+                between(step, m)
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(world * ROWS, DIM, generator=gen)
+        target = torch.randn(world * ROWS, DIM, generator=gen)
+        mine = slice(rank * ROWS, (rank + 1) * ROWS)
+        losses = {}
+        for name, m in models.items():
+            xs, ts = (x, target) if name == "ref" else (x[mine], target[mine])
+            loss = ((m(xs).float() - ts) ** 2).mean()
+            loss.backward()
+            reported = loss.detach().clone()
+            if name != "ref":
+                dist.all_reduce(reported)
+                reported /= world
+            losses[name] = reported
+        named = {k: dict(m.named_parameters()) for k, m in models.items()}
+        pairs = [("torch", "ours")] + ([("ref", "ours")] if compare_ref else [])
+        for want, got in pairs:
+            _compare(f"step {step} loss {got} vs {want}", losses[got], losses[want], atol)
+            for n, p in named[got].items():
+                g, w = _full(p.grad), _full(named[want][n].grad)
+                _compare(f"step {step} grad {n}: {got} vs {want}", g, w, atol)
+        for opt in optims.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    named = {k: dict(m.named_parameters()) for k, m in models.items()}
+    for n, p in named["ours"].items():
+        _compare(f"param {n} vs torch", _full(p.detach()), _full(named["torch"][n].detach()), atol)
+        if compare_ref:
+            _compare(f"param {n} vs ref", _full(p.detach()), named["ref"][n].detach(), atol)
+
+
+# -- LoRA: frozen weights beside trainable ones ----------------------------------------------
+
+
+def _lora(frozen: str, use_checkpoint: bool, mixed: bool) -> None:
+    def make() -> nn.Module:
+        model = LoRANet(use_checkpoint)
+        _freeze(model, frozen)
+        return model
+
+    if not mixed:
+        _side_by_side(make)
+        return
+    ours = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+    theirs = {"mp_policy": TorchMixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+    # bf16 compute: the reference (fp32) differs by rounding; torch computes what we compute.
+    _side_by_side(make, options=(ours, theirs), compare_ref=False, atol=1e-3)
+
+
+@pytest.mark.parametrize("frozen", ["base", "a", "b", "a+b", "stem+base", "base+a+b"])
+def test_frozen_weights_beside_trainable_ones_train_like_torch(frozen: str) -> None:
+    """The issue's LoRA crash: a group freed at its last trainable gradient while autograd
+    still needs the frozen weight for the input's gradient ('setStorage ... size 0')."""
+    run_distributed(_lora, 2, frozen, False, False)
+
+
+@pytest.mark.parametrize(
+    ("world", "use_checkpoint", "mixed"), [(1, False, False), (2, True, False), (2, False, True)]
+)
+def test_lora_with_checkpointing_and_mixed_precision(
+    world: int, use_checkpoint: bool, mixed: bool
+) -> None:
+    run_distributed(_lora, world, "base", use_checkpoint, mixed)
+
+
+# -- requires_grad_ after fully_shard ----------------------------------------------------------
+
+
+def _toggle_requires_grad(step: int, model: nn.Module) -> None:
+    # step 0: layers.0.a frozen from the start; step 1: unfreeze it, freeze layers.1.base
+    p_a = model.get_parameter("layers.0.a.weight")
+    p_base = model.get_parameter("layers.1.base.weight")
+    if step == 0:
+        p_a.requires_grad_(False)
+    if step == 1:
+        p_a.requires_grad_(True)
+        p_base.requires_grad_(False)
+
+
+def _requires_grad_after_wrapping() -> None:
+    _side_by_side(LoRANet, steps=3, between=_toggle_requires_grad)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_requires_grad_changed_after_wrapping_is_followed(world: int) -> None:
+    """Unfreezing after fully_shard trains the weight; freezing leaves its grad None."""
+    run_distributed(_requires_grad_after_wrapping, world)
+
+
+# -- set_is_last_backward on a non-root module -------------------------------------------------
+
+
+def _is_last_backward_on_a_block(impl: str) -> list[bool]:
+    torch.manual_seed(0)
+    model = LoRANet()
+    _wrap(model, fully_shard if impl == "ours" else torch_fully_shard)
+    x = torch.randn(ROWS, DIM)
+    model(x).sum().backward()  # lazy init, one full step
+    block: Any = model.layers[1]  # ours or torch's FSDPModule
+    block.set_is_last_backward(False)  # torch: one flag for the whole tree
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+    # With the flag off the end of backward does not finish the reductions; the next backward
+    # with it on does, and then every gradient is there.
+    block.set_is_last_backward(True)
+    model(x).sum().backward()
+    return [p.grad is not None for p in model.parameters()]
+
+
+def test_set_is_last_backward_on_a_block_sets_the_flag_for_the_tree() -> None:
+    ours = run_distributed(_is_last_backward_on_a_block, 2, "ours")
+    theirs = run_distributed(_is_last_backward_on_a_block, 2, "torch")
+    assert ours == theirs and all(all(r) for r in ours)
+
+
+def _flag_is_shared(impl: str) -> tuple[bool, bool]:
+    torch.manual_seed(0)
+    model = LoRANet()
+    _wrap(model, fully_shard if impl == "ours" else torch_fully_shard)
+    model(torch.randn(ROWS, DIM)).sum().backward()
+    model.layers[0].set_is_last_backward(False)  # type: ignore[operator]
+    if impl == "ours":
+        ctx = model._fsdp_state.root
+        seen = ctx is not None and not ctx.is_last_backward
+    else:
+        seen = not model._get_fsdp_state()._state_ctx.is_last_backward  # type: ignore[operator]
+    model.layers[0].set_is_last_backward(True)  # type: ignore[operator]
+    return seen, True
+
+
+def test_the_is_last_backward_flag_of_a_block_is_the_roots() -> None:
+    assert run_distributed(_flag_is_shared, 1, "ours") == run_distributed(
+        _flag_is_shared, 1, "torch"
+    )
+
+
+# -- profiler labels -------------------------------------------------------------------------
+
+CORE_LABELS = {
+    "pre_forward",
+    "post_forward",
+    "pre_backward",
+    "post_backward",
+    "all_gather",
+    "all_gather_copy_out",
+    "post_backward_reduce",
+    "root_post_backward_callback",
+}
+
+
+def _profiled_labels(impl: str) -> set[str]:
+    torch.manual_seed(0)
+    model = LoRANet()
+    _wrap(model, fully_shard if impl == "ours" else torch_fully_shard)
+    x = torch.randn(ROWS, DIM)
+    model(x).sum().backward()  # lazy init outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    return {e.name for e in prof.events() if e.name.startswith("FSDP::")}
+
+
+def test_hooks_and_collectives_show_up_in_profiler_traces_like_torchs() -> None:
+    ours = run_distributed(_profiled_labels, 2, "ours")[0]
+    theirs = run_distributed(_profiled_labels, 2, "torch")[0]
+    for kind in sorted(CORE_LABELS):
+        # A block's labels read the same in both: "FSDP::<kind> (layers.0)".
+        label = f"FSDP::{kind} (layers.0)"
+        if label in theirs:
+            assert label in ours, f"{label} in torch's trace, not in ours: {sorted(ours)}"
+        assert any(name.startswith(f"FSDP::{kind}") for name in ours), kind
