@@ -19,8 +19,10 @@ a bool and replaces the int.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
+import pickle
 import warnings
 from typing import Any
 
@@ -284,6 +286,20 @@ def _stale_pieces() -> bool:
 
 def test_pieces_that_went_stale_are_not_gathered() -> None:
     assert run_distributed(_stale_pieces, WORLD) == [True] * WORLD
+
+
+def _copies() -> bool:
+    model = MLPStack(DIMS)
+    fully_shard(model, mesh=mesh_1d(), reshard_after_forward=N)
+    # the mesh now caches its subgroups: it must still pickle (torch.compile, DCP planners)
+    # and its DTensors still deep-copy
+    clone = pickle.loads(pickle.dumps(mesh_1d()))
+    param = copy.deepcopy(next(model.parameters()))
+    return bool(clone == mesh_1d() and isinstance(param, DTensor))
+
+
+def test_a_mesh_with_subgroups_still_pickles_and_its_dtensors_copy() -> None:
+    assert run_distributed(_copies, WORLD) == [True] * WORLD
 
 
 def _errors() -> list[str]:

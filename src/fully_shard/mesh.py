@@ -121,6 +121,14 @@ class SubgroupInfo:
 _SUBGROUPS_ATTR = "_fully_shard_post_forward_subgroups"
 
 
+class _SubgroupCache(dict[int, dist.ProcessGroup]):
+    """Subgroups by size. Pickles and copies as empty: a ProcessGroup cannot be pickled, and
+    DeviceMesh pickles its ``__dict__`` (so ``copy.deepcopy(model)`` would fail otherwise)."""
+
+    def __reduce__(self) -> tuple[type[_SubgroupCache], tuple[()]]:
+        return (_SubgroupCache, ())
+
+
 def _subgroup_ranks(info: MeshInfo, size: int) -> list[list[int]]:
     """Every group of ``size`` consecutive shard ranks in the whole job, as global ranks.
 
@@ -157,9 +165,9 @@ def post_forward_subgroup(info: MeshInfo, size: int) -> SubgroupInfo:
         >>> post_forward_subgroup(info, 2).size  # doctest: +SKIP
         2
     """
-    cache: dict[int, dist.ProcessGroup] | None = getattr(info.mesh, _SUBGROUPS_ATTR, None)
+    cache: _SubgroupCache | None = getattr(info.mesh, _SUBGROUPS_ATTR, None)
     if cache is None:
-        cache = {}
+        cache = _SubgroupCache()
         setattr(info.mesh, _SUBGROUPS_ATTR, cache)
     group = cache.get(size)
     if group is None:
