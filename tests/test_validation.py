@@ -22,7 +22,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from fully_shard import (
     CPUOffloadPolicy,
     FullyShardError,
-    FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -173,10 +172,10 @@ CASES = [
         ("reshard_after_forward=3", "divide"),
     ),
     Case(
-        "reshard_after_forward an int",
-        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward=1),
-        FullyShardNotImplementedError,
-        ("reshard_after_forward=1", "not supported yet"),
+        "reshard_after_forward an int below 1",
+        lambda m: fully_shard(m, mesh=mesh_1d(), reshard_after_forward=0),
+        FullyShardValueError,
+        ("reshard_after_forward=0", "divide"),
     ),
     Case(
         "shard_placement_fn not callable",
@@ -500,10 +499,11 @@ EXACT_CASES = [
         "parameters of mixed dtypes in one group",
         _shard_root,
         FullyShardValueError,
-        "the parameters of one fully_shard group have different dtypes (inner.0.weight:"
-        "torch.float32, inner.0.bias:torch.float16, out.weight:torch.float32, out.bias:"
-        "torch.float32) and one all-gather needs one dtype; convert the module to one dtype, "
-        "set MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls",
+        "the trainable parameters of one fully_shard group have different dtypes "
+        "(inner.0.weight:torch.float32, inner.0.bias:torch.float16, out.weight:torch.float32, "
+        "out.bias:torch.float32) and one reduce-scatter needs one gradient dtype; freeze the "
+        "odd ones (frozen parameters of any dtype can share a group), convert the module to "
+        "one dtype, set MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls",
         setup=_half_bias,
     ),
     ExactCase(

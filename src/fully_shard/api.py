@@ -7,6 +7,7 @@ exactly as it was and can be retried with valid arguments.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .mesh import (
     check_strided_split,
     default_mesh,
     mesh_info,
+    post_forward_subgroup,
     tp_layout,
     tp_sharded_dims,
 )
@@ -114,7 +116,16 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the gathered parameters after forward and
             gathers them again for backward (less memory, one more all-gather); ``False``
             keeps them until after backward; ``None``: ``False`` for the root, ``True`` for
-            the others. An int (reshard to a smaller world) is validated but not supported yet.
+            the others. An int ``n`` (a divisor of the shard world size W, e.g. the ranks per
+            node) reshards after forward to groups of ``n`` consecutive shard ranks (ZeRO++'s
+            hpZ): each rank keeps ``1/n`` of the padded parameters from forward to backward
+            (instead of ``1/W``), and backward all-gathers within those ``n`` ranks, moving
+            ``1/n`` of the padded group per rank instead of ``1/W``, over the fast local
+            links. ``n == W`` means ``True``; ``n == 1`` means ``False`` (with a warning), as
+            in torch. Between forward and backward the module shows the sharded DTensors
+            (torch shows DTensors on an ``n``-rank mesh). Creates the process groups of the
+            ``n``-rank groups, once per mesh: call it on every rank. Not with
+            tensor-parallel parameters (nor in torch).
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use, or ``None`` for
             ``Shard(0)``.
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
@@ -134,7 +145,7 @@ def fully_shard(
     """
     modules = _check_modules(module)
     info = _resolve_mesh(mesh)
-    _check_reshard_after_forward(reshard_after_forward, info)
+    reshard_flag, post_forward_size = _check_reshard_after_forward(reshard_after_forward, info)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise FullyShardTypeError(
             f"shard_placement_fn must be a callable (param -> Shard | None), got "
@@ -153,9 +164,14 @@ def fully_shard(
     ignored = _check_ignored(ignored_params, modules)
     plans = _plan_params(modules, ignored, shard_placement_fn, info)
     _check_params(plans, info, mp_policy)
+    _check_post_forward_plans(post_forward_size, plans)
 
     # -- every check passed: from here on the module changes --------------------------------
     check_from_environment()  # FULLY_SHARD_CHECK_COLLECTIVES=1: the desync checker, job-wide
+    # Creating process groups is collective: only now, when no rank can still refuse the call.
+    post_forward = (
+        None if post_forward_size is None else post_forward_subgroup(info, post_forward_size)
+    )
     shard_device = offload_policy.shard_device(info.device)
     pin = offload_policy.use_pinned_memory() and torch.cuda.is_available()
     params = [
@@ -167,7 +183,7 @@ def fully_shard(
             info,
             shard_device,
             pin,
-            mp_policy.compute_dtype(plan.param.dtype),
+            mp_policy,
             plan.tp,
         )
         for plan in plans
@@ -175,11 +191,10 @@ def fully_shard(
     for p in params:
         p.register(p.sharded_param)
     config = GroupConfig(
-        reshard_after_forward=reshard_after_forward
-        if isinstance(reshard_after_forward, bool)
-        else None,
+        reshard_after_forward=reshard_flag,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
+        post_forward=post_forward,
     )
     group = ParamGroup(params, modules, info, config, TorchComm())
     state = FSDPState(group, modules, {id(plan.param): weakref.ref(plan.param) for plan in plans})
@@ -242,9 +257,14 @@ def _resolve_mesh(mesh: object) -> MeshInfo:
     return mesh_info(default_mesh() if mesh is None else mesh)
 
 
-def _check_reshard_after_forward(value: object, info: MeshInfo) -> None:
+def _check_reshard_after_forward(value: object, info: MeshInfo) -> tuple[bool | None, int | None]:
+    """(the bool flag, the post-forward group size or None) that ``value`` means.
+
+    As in torch: an int n reshards after forward to groups of n shard ranks; n == 1 keeps
+    the parameters whole (``False``, with a warning), n == the shard world is ``True``.
+    """
     if value is None or isinstance(value, bool):
-        return
+        return value, None
     if not isinstance(value, int):
         raise FullyShardTypeError(
             f"reshard_after_forward must be a bool, an int or None, got {value!r} "
@@ -256,10 +276,29 @@ def _check_reshard_after_forward(value: object, info: MeshInfo) -> None:
             f"reshard_after_forward={value} must divide the shard world size {world} "
             f"(1 <= n <= {world}); pass True, False or a divisor of {world}"
         )
-    raise FullyShardNotImplementedError(
-        f"reshard_after_forward={value} (resharding to a smaller world after forward) is not "
-        "supported yet; pass True to free after forward or False to keep parameters gathered"
-    )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (an int) reshards to groups of 1 rank, which keeps every "
+            "parameter whole after forward, like reshard_after_forward=False; pass False to "
+            "say so, or True to free the parameters after forward",
+            stacklevel=3,
+        )
+        return False, None
+    if value == world:
+        return True, None
+    return True, value
+
+
+def _check_post_forward_plans(size: int | None, plans: list[_ParamPlan]) -> None:
+    if size is None:
+        return
+    for plan in plans:
+        if plan.tp is not None:
+            raise FullyShardNotImplementedError(
+                f"reshard_after_forward={size} with tensor-parallel parameter {plan.fqn!r} is "
+                "not supported (nor by torch's fully_shard); pass True or False for the "
+                "modules with tensor-parallel parameters"
+            )
 
 
 def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:
@@ -403,11 +442,16 @@ def _check_params(plans: list[_ParamPlan], info: MeshInfo, mp_policy: MixedPreci
                 f"parameters are on {device} but the mesh is on {info.mesh.device_type}; "
                 f"build the mesh on '{device.type}' or move the module to {info.device}"
             )
-    dtypes = {mp_policy.compute_dtype(plan.param.dtype) for plan in plans}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{plan.fqn}:{plan.param.dtype}" for plan in plans[:6])
+    # Frozen parameters of any dtype can share a group (it gathers as bytes then); one
+    # reduce-scatter still needs its trainable parameters' gradients in one dtype.
+    trainable = [plan for plan in plans if plan.param.requires_grad]
+    reduce_dtypes = {mp_policy.reduce_dtype_for(plan.param.dtype) for plan in trainable}
+    if len(reduce_dtypes) > 1:
+        listing = ", ".join(f"{plan.fqn}:{plan.param.dtype}" for plan in trainable[:6])
         raise FullyShardValueError(
-            f"the parameters of one fully_shard group have different dtypes ({listing}) and "
-            "one all-gather needs one dtype; convert the module to one dtype, set "
-            "MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls"
+            f"the trainable parameters of one fully_shard group have different dtypes "
+            f"({listing}) and one reduce-scatter needs one gradient dtype; freeze the odd "
+            "ones (frozen parameters of any dtype can share a group), convert the module to "
+            "one dtype, set MixedPrecisionPolicy(param_dtype=...), or shard them in separate "
+            "calls"
         )

@@ -14,6 +14,9 @@ reduce-scatter::
     reduce-scatter out (total,)        = this rank's summed chunk of every parameter
 
 ``total`` is the sum of the parameters' padded shard sizes, so every rank sends the same bytes.
+The all-gather buffer has one dtype (:func:`wire_dtype`): the parameters' compute dtype, or
+``uint8`` when they differ (each :class:`GatherInput` then takes its byte size); padding is
+written as zeros.
 """
 
 from __future__ import annotations
@@ -255,21 +258,118 @@ class CountingComm:
         self.records.clear()
 
 
-def copy_in(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """Copy each shard into its slot of the all-gather input, casting and moving as needed."""
-    for dst, src in zip(dsts, srcs, strict=True):
-        dst.copy_(src, non_blocking=True)
+@dataclass(frozen=True)
+class GatherInput:
+    """One tensor a parameter sends in a group's all-gather, before padding and casting.
+
+    Every rank sends ``padded_size`` elements in ``dtype``; ``data`` is this rank's part of
+    them: the first ``data.size(dim)`` rows along ``dim`` (fewer than ``padded_size[dim]`` on
+    a trailing rank of an uneven split, or none). The rest is padding, written as zeros.
+
+    Attributes:
+        data: ``(rows, *rest)`` this rank's rows, in any dtype and on any device.
+        dtype: the dtype it travels in (and the unsharded tensor is rebuilt in).
+        padded_size: ``(chunk, *rest)`` (for ``dim == 0``): what every rank sends.
+        dim: the dim along which ``data`` is padded to ``padded_size``.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard.collectives import GatherInput
+        >>> gi = GatherInput(torch.ones(1, 3), torch.float32, torch.Size([2, 3]), 0)
+        >>> gi.numel, gi.nbytes
+        (6, 24)
+    """
+
+    data: torch.Tensor
+    dtype: torch.dtype
+    padded_size: torch.Size
+    dim: int
+
+    @property
+    def numel(self) -> int:
+        return self.padded_size.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def write_typed(self, slot: torch.Tensor) -> None:
+        """Fill ``slot`` ``(numel,)`` of ``self.dtype``: cast rows, then zero padding."""
+        padded = slot.view(self.padded_size)
+        rows = self.data.size(self.dim)
+        padded.narrow(self.dim, 0, rows).copy_(self.data, non_blocking=True)
+        pad = self.padded_size[self.dim] - rows
+        if pad > 0:
+            # Zeros, not whatever the buffer held: the padding is gathered into every rank's
+            # unsharded storage and, under reshard_after_forward=<int>, sent again.
+            padded.narrow(self.dim, rows, pad).zero_()
+
+
+def wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype of a group's flat all-gather buffer for inputs of ``dtypes``.
+
+    One dtype gathers in that dtype. Mixed dtypes (a frozen bf16, float8 or int8 weight
+    beside fp32 ones) gather as ``uint8``, every input viewed as its bytes. A float8 dtype
+    gathers as ``uint8`` too: gloo has no float8 type, and a 1-byte view costs nothing.
+    """
+    kinds = set(dtypes)
+    if len(kinds) == 1:
+        (only,) = kinds
+        if only.is_floating_point and only.itemsize == 1:  # float8 variants
+            return torch.uint8
+        return only
+    return torch.uint8
+
+
+def split_sizes(inputs: Sequence[GatherInput], wire: torch.dtype) -> list[int]:
+    """Each input's length in the flat buffer, in elements of ``wire`` (bytes for uint8)."""
+    if wire == torch.uint8:
+        return [gi.nbytes for gi in inputs]
+    return [gi.numel for gi in inputs]
+
+
+def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
+    """Write every input, cast and padded with zeros, into its slot of ``flat_in``.
+
+    ``flat_in`` is ``(total,)`` in the wire dtype (:func:`wire_dtype`), laid out as
+    ``[input 0 | input 1 | ...]`` with the lengths of :func:`split_sizes`.
+    """
+    slots = torch.split(flat_in, split_sizes(inputs, flat_in.dtype))
+    for slot, gi in zip(slots, inputs, strict=True):
+        if slot.dtype == gi.dtype:
+            gi.write_typed(slot)
+        elif slot.storage_offset() % gi.dtype.itemsize == 0:
+            # A byte slot at an offset the input's dtype can start at: write it in place.
+            gi.write_typed(slot.view(gi.dtype))
+        else:
+            typed = torch.empty(gi.numel, dtype=gi.dtype, device=slot.device)
+            gi.write_typed(typed)
+            slot.copy_(typed.view(torch.uint8))
 
 
 def copy_out(
     gathered: torch.Tensor, world: int, split_numels: Sequence[int], outs: Sequence[torch.Tensor]
 ) -> None:
-    """Scatter the all-gather output into each parameter's ``(W, padded_numel)`` storage.
+    """Scatter the all-gather output into each input's ``(W, numel)`` destination.
 
     ``gathered`` is ``(W * total,)``; viewed ``(W, total)``, column block i belongs to
-    parameter i. One ``split_with_sizes_copy`` moves them all.
+    input i. One ``split_with_sizes_copy`` moves them all. A ``uint8`` buffer (mixed dtypes)
+    is copied into each destination viewed as bytes.
     """
+    if gathered.dtype == torch.uint8:
+        outs = [o if o.dtype == torch.uint8 else o.view(torch.uint8) for o in outs]
     torch.split_with_sizes_copy(gathered.view(world, -1), list(split_numels), dim=1, out=list(outs))
+
+
+def typed_block(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``(W, n)`` column block of the gathered buffer as ``dtype`` (a copy if it is bytes)."""
+    if block.dtype == dtype:
+        return block
+    typed = torch.empty(
+        block.size(0), block.size(1) // dtype.itemsize, dtype=dtype, device=block.device
+    )
+    typed.view(torch.uint8).copy_(block)
+    return typed
 
 
 def pack_for_reduce_scatter(views: Sequence[torch.Tensor], world: int) -> torch.Tensor:

@@ -53,10 +53,10 @@ class FullyShardNotImplementedError(FullyShardError, NotImplementedError):
 
     Example:
         >>> from fully_shard import FullyShardNotImplementedError, fully_shard
-        >>> try:  # doctest: +SKIP
-        ...     fully_shard(model, mesh=mesh, reshard_after_forward=2)
+        >>> try:  # doctest: +SKIP  (tp_block holds tensor-parallel DTensor parameters)
+        ...     fully_shard(tp_block, mesh=root["dp"], reshard_after_forward=2)
         ... except FullyShardNotImplementedError:
-        ...     fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        ...     fully_shard(tp_block, mesh=root["dp"], reshard_after_forward=True)
     """
 
 

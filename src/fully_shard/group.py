@@ -3,6 +3,18 @@
 A group is the unit of communication: one all-gather brings all its parameters, one
 reduce-scatter sends all its gradients. It is always in exactly one :class:`GroupState`; every
 change goes through :meth:`ParamGroup._transition`, which checks the table below.
+
+An all-gather, from the group's side: each parameter gives its inputs
+(:meth:`ShardedParam.all_gather_inputs`); their dtypes and sizes, read now, decide the flat
+buffer (one dtype, or ``uint8`` bytes for a mixed group); this rank's inputs are written
+into its slice of the output (padding as zeros) and the output is gathered in place; then each
+parameter gets its blocks back (copied straight into its storage where a view allows).
+
+``reshard_after_forward=n`` adds one more place the parameters can be between forward and
+backward: SHARDED, with every parameter holding its piece of an n-rank split
+(:meth:`ParamGroup.reshard_after_forward`). The next unshard gathers those pieces within the
+n-rank group, if no sharded parameter changed since; otherwise it drops them and gathers the
+shards over the whole shard world.
 """
 
 from __future__ import annotations
@@ -16,9 +28,18 @@ import torch
 from torch import nn
 
 from ._compat import version
-from .collectives import Comm, Waitable, copy_in, copy_out, pack_for_reduce_scatter
+from .collectives import (
+    Comm,
+    GatherInput,
+    Waitable,
+    copy_in,
+    copy_out,
+    pack_for_reduce_scatter,
+    split_sizes,
+    wire_dtype,
+)
 from .errors import FullyShardStateError
-from .mesh import MeshInfo
+from .mesh import MeshInfo, SubgroupInfo
 from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -54,6 +75,10 @@ class GroupConfig:
             unsharded gradients locally until a backward with sync on.
         mp_policy: dtypes for all-gather, compute and reduction.
         offload_policy: where the sharded state lives.
+        post_forward: with ``reshard_after_forward=True``, reshard after forward only to this
+            group of n consecutive shard ranks (``fully_shard(..., reshard_after_forward=n)``):
+            each rank keeps 1/n of the padded parameters, and backward all-gathers within the
+            n ranks. ``None``: reshard to the whole shard world.
     """
 
     reshard_after_forward: bool | None = None
@@ -61,6 +86,18 @@ class GroupConfig:
     requires_gradient_sync: bool = True
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
+    post_forward: SubgroupInfo | None = None
+
+
+@dataclass
+class _PendingGather:
+    """An all-gather issued by :meth:`ParamGroup.unshard`, until its copy-out."""
+
+    work: Waitable | None
+    output: torch.Tensor  # (world * total,) in the wire dtype; this rank's input is slice rank
+    world: int
+    inputs: list[list[GatherInput]]  # per parameter
+    sizes: list[int]  # per input, in wire elements
 
 
 @dataclass
@@ -95,15 +132,11 @@ class ParamGroup:
         self.config = config
         self.comm = comm
         self.state = GroupState.SHARDED
-        self.compute_dtype = params[0].compute_dtype if params else torch.float32
-        self._split_numels = [p.padded_numel for p in params]
-        self._total = sum(self._split_numels)
-        self._unshard_work: Waitable | None = None
-        self._ag_output: torch.Tensor | None = None  # (W * total,) only while UNSHARDING
-        self._all_dim0 = all(p.shard_dim == 0 for p in params)
+        self._gather: _PendingGather | None = None  # only while UNSHARDING
         self._pending_reduce: _PendingReduce | None = None
         self._initialized = False
-        # (id, version) of each sharded parameter when the gathered copy was taken.
+        # (id, version) of each sharded parameter when the gathered copy (and so any
+        # post-forward piece cut from it) was taken.
         self._gathered_versions: list[tuple[int, int]] = []
         # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
         self.observers: tuple[Observer, ...] = (ProfilerLabels(),)
@@ -177,48 +210,52 @@ class ParamGroup:
         self.begin("unshard")
         if not self.params:
             return
+        group, world, rank = self.info.shard_group, self.info.shard_size, self.info.shard_rank
+        sub = self.config.post_forward
+        if sub is not None and self._pieces_usable():
+            group, world, rank = sub.group, sub.size, sub.rank
+        else:
+            self._drop_pieces()
+            self._gathered_versions = self.sharded_versions()
+        # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
+        inputs = [p.all_gather_inputs() for p in self.params]
+        flat_inputs = [gi for per_param in inputs for gi in per_param]
+        wire = wire_dtype([gi.dtype for gi in flat_inputs])
+        sizes = split_sizes(flat_inputs, wire)
+        total = sum(sizes)
         # In place: this rank's input is its own slice of the output, so no separate input
-        # buffer exists. Padding rows are left unwritten: they land in the storage's padding,
-        # which no parameter view covers.
-        output = torch.empty(
-            self._total * self.info.shard_size, dtype=self.compute_dtype, device=self.info.device
-        )
-        flat_in = output.narrow(0, self.info.shard_rank * self._total, self._total)
-        flats = torch.split(flat_in, self._split_numels)
-        slots = [p.all_gather_slot(f) for p, f in zip(self.params, flats, strict=True)]
-        self._gathered_versions = self.sharded_versions()
-        copy_in(slots, [p.local_shard for p in self.params])
-        self._ag_output = output
-        group = self.info.shard_group
-        self._unshard_work = issue_observed(
+        # buffer exists.
+        output = torch.empty(total * world, dtype=wire, device=self.info.device)
+        flat_in = output.narrow(0, rank * total, total)
+        copy_in(flat_in, flat_inputs)
+        work = issue_observed(
             self,
             CollectiveCall("all_gather", flat_in, group),
             lambda: self.comm.all_gather(output, flat_in, group, async_op),
         )
+        self._gather = _PendingGather(work, output, world, inputs, sizes)
+
+    def _pieces_usable(self) -> bool:
+        """Every parameter holds its post-forward piece and none changed since it was cut."""
+        return all(p.has_post_forward() for p in self.params) and (
+            self._gathered_versions == self.sharded_versions()
+        )
+
+    def _drop_pieces(self) -> None:
+        for p in self.params:
+            p.drop_post_forward()
 
     def wait_for_unshard(self) -> None:
         """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
         if self.state is not GroupState.UNSHARDING:
             return
-        if self._unshard_work is not None:
-            self._unshard_work.wait()
-            self._unshard_work = None
-        gathered = self._ag_output
-        self._ag_output = None
-        # Allocated only now, not at unshard: a prefetched group in flight holds just the
-        # all-gather output.
-        for p in self.params:
-            p.alloc_storage()
-        if gathered is not None:
+        pending = self._gather
+        self._gather = None
+        if pending is not None:
+            if pending.work is not None:
+                pending.work.wait()
             self.begin("all_gather_copy_out")
-            world = self.info.shard_size
-            if self._all_dim0:
-                views = [p.copy_out_view() for p in self.params]
-                copy_out(gathered, world, self._split_numels, [v for v in views if v is not None])
-            else:
-                blocks = torch.split(gathered.view(world, -1), self._split_numels, dim=1)
-                for p, block in zip(self.params, blocks, strict=True):
-                    p.copy_out(block)
+            self._copy_out(pending)
             self.end("all_gather_copy_out")
         for p in self.params:
             unsharded = p.unsharded_param
@@ -231,6 +268,23 @@ class ParamGroup:
         self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
         self.end("unshard")
 
+    def _copy_out(self, pending: _PendingGather) -> None:
+        # Allocated only now, not at unshard: a prefetched group in flight holds just the
+        # all-gather output.
+        for p in self.params:
+            p.alloc_storage()
+        dests = [p.all_gather_destinations() for p in self.params]
+        world, output = pending.world, pending.output
+        if all(d is not None for d in dests):
+            copy_out(output, world, pending.sizes, [t for d in dests if d is not None for t in d])
+            for p in self.params:
+                p.finish_all_gather(None)
+            return
+        blocks = list(torch.split(output.view(world, -1), pending.sizes, dim=1))
+        for p, inputs in zip(self.params, pending.inputs, strict=True):
+            mine, blocks = blocks[: len(inputs)], blocks[len(inputs) :]
+            p.finish_all_gather(mine)
+
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
         return [(id(p.sharded_param), version(p.sharded_param)) for p in self.params]
@@ -240,9 +294,29 @@ class ParamGroup:
         :meth:`sharded_versions`), e.g. by an optimizer step."""
         return self.state is GroupState.UNSHARDED and self._gathered_versions != versions
 
+    def reshard_after_forward(self, backward_follows: bool) -> None:
+        """Reshard at the end of forward: to the post-forward group when one is configured and
+        a backward will come to use it (``reshard_after_forward=n``), else fully."""
+        sub = self.config.post_forward
+        if sub is None or not backward_follows or self.state is not GroupState.UNSHARDED:
+            self.reshard()
+            return
+        with self.span("reshard"):
+            for p in self.params:
+                p.reshard_to_post_forward(sub.size, sub.rank)
+            self._transition(GroupState.SHARDED, "reshard_after_forward()")
+
+    def post_forward_nbytes(self) -> int:
+        """Bytes this rank holds in post-forward pieces now (``reshard_after_forward=n``)."""
+        return sum(p.post_forward_nbytes() for p in self.params)
+
     def reshard(self) -> None:
-        """Free the full parameters and show the sharded DTensors again (no-op if SHARDED)."""
+        """Free the full parameters and show the sharded DTensors again (no-op if SHARDED).
+
+        Post-forward pieces are freed too: the next all-gather is over the whole shard world.
+        """
         if self.state is GroupState.SHARDED:
+            self._drop_pieces()
             return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
@@ -313,13 +387,16 @@ class ParamGroup:
     def discard_iteration_state(self) -> None:
         """After an exception: wait out collectives in flight, drop grads, free, reshard."""
         pending = self._pending_reduce
-        for work in (self._unshard_work, None if pending is None else pending.work):
+        gather = self._gather
+        for work in (
+            None if gather is None else gather.work,
+            None if pending is None else pending.work,
+        ):
             if work is not None:
                 # The exception that brought us here is what matters, not a second one.
                 with contextlib.suppress(Exception):
                     work.wait()
-        self._unshard_work = None
-        self._ag_output = None
+        self._gather = None
         self._pending_reduce = None
         for p in self.params:
             if p.unsharded_param is not None:

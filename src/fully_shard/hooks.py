@@ -398,7 +398,7 @@ class FSDPState:
     def _end_forward(self, ctx: RootContext) -> None:
         # Without an output that needs grad no backward will come to free the parameters.
         if self.reshard_after_forward or self.it.outputs_hooked == 0:
-            self.group.reshard()
+            self.group.reshard_after_forward(backward_follows=self.it.outputs_hooked > 0)
         self._set_phase(Phase.IDLE, "end of forward")
         if not ctx.order_recorded and self not in ctx.post_forward_order:
             ctx.post_forward_order.append(self)

@@ -4,6 +4,10 @@ A 1-D mesh shards over its only dim. A 2-D mesh is read as ``(replicate, shard)`
 are placed ``(Replicate(), Shard(d))``, gradients are reduce-scattered over the shard dim and
 all-reduced over the replicate dim (HSDP).
 
+``reshard_after_forward=n``: :func:`post_forward_subgroup` splits the shard ranks into groups
+of n consecutive ones (node-local ranks when n is the number of devices per node) and creates
+their process groups, once per mesh.
+
 Tensor parallelism: a parameter that is already a DTensor on ``root["tp"]`` is sharded again
 on ``root["dp"]`` (the mesh given to ``fully_shard``). Its sharded DTensor lives on ``root``
 with one placement per root dim; :func:`tp_layout` checks the meshes and
@@ -88,6 +92,96 @@ class MeshInfo:
         if self.replicate_mesh_dim is None:
             return (Shard(shard_dim),)
         return (Replicate(), Shard(shard_dim))
+
+
+@dataclass(frozen=True)
+class SubgroupInfo:
+    """This rank's group of ``size`` consecutive shard ranks (``reshard_after_forward=size``).
+
+    Attributes:
+        group: the process group of those ranks.
+        size: how many ranks it has (divides the shard world size).
+        rank: this rank's index in it (its shard rank modulo ``size`` on a mesh built by
+            ``init_device_mesh``); it picks which piece of the gathered tensor the rank keeps.
+
+    Example:
+        >>> sub = post_forward_subgroup(mesh_info(mesh), 2)  # doctest: +SKIP
+        >>> sub.size, sub.rank  # on shard rank 3  # doctest: +SKIP
+        (2, 1)
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
+# The attribute of a DeviceMesh that caches its subgroups by size: one set of process groups
+# per mesh however many fully_shard calls ask, living and dying with the mesh object (a cache
+# keyed by mesh value could outlive a destroyed process group and hand out dead groups).
+_SUBGROUPS_ATTR = "_fully_shard_post_forward_subgroups"
+
+
+class _SubgroupCache(dict[int, dist.ProcessGroup]):
+    """Subgroups by size. Pickles and copies as empty: a ProcessGroup cannot be pickled, and
+    DeviceMesh pickles its ``__dict__`` (so ``copy.deepcopy(model)`` would fail otherwise)."""
+
+    def __reduce__(self) -> tuple[type[_SubgroupCache], tuple[()]]:
+        return (_SubgroupCache, ())
+
+
+def _subgroup_ranks(info: MeshInfo, size: int) -> list[list[int]]:
+    """Every group of ``size`` consecutive shard ranks in the whole job, as global ranks.
+
+    Every rank computes the same list (creating a group is collective over the default group):
+    the ranks of the mesh's root, the mesh's own dims moved last, in rows of ``size``.
+    """
+    mesh = info.mesh
+    root = root_mesh(mesh)
+    if root is mesh:
+        ranks = mesh.mesh
+    else:
+        names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+        if names is None or root_names is None or any(n not in root_names for n in names):
+            raise FullyShardNotImplementedError(
+                f"reshard_after_forward=<int> needs the mesh's dims {names} to be dims of its "
+                f"parent mesh {root} (a flattened sub-mesh is not supported); pass True or "
+                "False, or a mesh built with init_device_mesh"
+            )
+        own = [root_names.index(n) for n in names]
+        others = [d for d in range(root.ndim) if d not in own]
+        ranks = root.mesh.permute(*others, *own)
+    return [[int(r) for r in row] for row in ranks.reshape(-1, size).tolist()]
+
+
+def post_forward_subgroup(info: MeshInfo, size: int) -> SubgroupInfo:
+    """This rank's group of ``size`` consecutive shard ranks, creating all such groups once.
+
+    Collective: every rank of the job must call it with the same ``size``, as when building a
+    mesh. ``size`` must divide the shard world size (checked by ``fully_shard``). For an HSDP
+    mesh the groups lie inside each replica (as in torch: the mesh flattened, in rows of n).
+
+    Example:
+        >>> info = mesh_info(init_device_mesh("cpu", (4,)))  # doctest: +SKIP
+        >>> post_forward_subgroup(info, 2).size  # doctest: +SKIP
+        2
+    """
+    cache: _SubgroupCache | None = getattr(info.mesh, _SUBGROUPS_ATTR, None)
+    if cache is None:
+        cache = _SubgroupCache()
+        setattr(info.mesh, _SUBGROUPS_ATTR, cache)
+    group = cache.get(size)
+    if group is None:
+        # torch's stubs leave new_subgroups_by_enumeration unannotated
+        mine, _ = dist.new_subgroups_by_enumeration(_subgroup_ranks(info, size))  # type: ignore[no-untyped-call]
+        if mine is None:
+            raise FullyShardStateError(
+                f"rank {dist.get_rank()} is in no group of {size} consecutive ranks of mesh "
+                f"{info.mesh}; call fully_shard on every rank of the mesh"
+            )
+        group = cache[size] = mine
+    # Any assignment of pieces to ranks rebuilds the same tensor, as long as the piece a rank
+    # keeps is the one its group rank puts in place: so the group's own rank, not ours.
+    return SubgroupInfo(group=group, size=size, rank=int(group.rank()))
 
 
 def _device_of(mesh: DeviceMesh) -> torch.device:

@@ -17,7 +17,6 @@ from torch import nn
 
 from .collectives import Comm
 from .errors import (
-    FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -139,24 +138,25 @@ class FSDPModule(nn.Module):
             )
         self._update_config(recurse, requires_gradient_sync=flag)
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free parameters after forward (True) or keep them until after backward (False).
 
         False saves one all-gather per group in backward at the cost of holding the group's
-        unsharded parameters from forward to backward.
+        unsharded parameters from forward to backward. Takes a bool, like torch's: it
+        replaces an int given to ``fully_shard`` (True then reshards to the whole world).
 
         Example:
             >>> model.set_reshard_after_forward(False)  # doctest: +SKIP
         """
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            raise FullyShardNotImplementedError(
-                "set_reshard_after_forward takes a bool; resharding to a smaller world size "
-                "after forward (an int) is not supported yet"
+            raise FullyShardValueError(
+                f"set_reshard_after_forward takes a bool (as torch's does), got "
+                f"{reshard_after_forward}; to reshard to groups of n ranks after forward pass "
+                "reshard_after_forward=n to fully_shard"
             )
         flag = _check_bool("reshard_after_forward", reshard_after_forward)
-        self._update_config(recurse, reshard_after_forward=flag)
+        recurse = _check_bool("recurse", recurse)
+        self._update_config(recurse, reshard_after_forward=flag, post_forward=None)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

@@ -18,6 +18,20 @@ fewer rows, or none)::
                                       autograd saved in forward are still valid after the
                                       storage is freed and refilled for backward
 
+Under ``reshard_after_forward=n`` one more tensor lives between forward and backward::
+
+    post-forward    (rows'_k, *rest)  the rows of the padded unsharded tensor that rank k of its
+    piece                             group of n consecutive shard ranks keeps after forward,
+                                      split like the storage into n chunks of (W/n)*c rows;
+                                      backward all-gathers these within the n-rank group
+
+The geometry of each split is one frozen :class:`ShardLayout` (W ranks; or n ranks for the
+post-forward piece), so the two splits are two objects of one kind.
+
+The dtypes are read when they matter, never copied at construction: the sharded dtype is the
+local shard's (``model.to(torch.float64)`` changes it), the compute dtype is the policy's answer
+for it at each unshard, and the storage is reallocated when that answer changes.
+
 Writes into ``storage`` go through ``storage.data`` (an alias with its own version counter),
 so refilling it for backward does not trip autograd's saved-tensor version check.
 
@@ -33,19 +47,113 @@ TP mesh again (``DTensor.from_local`` of the storage view), which is what the TP
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .collectives import GatherInput, typed_block
 from .mesh import MeshInfo, TPLayout, combined_placements, contiguous_stride
+from .policies import MixedPrecisionPolicy
 
 
 def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
     if not isinstance(t, DTensor):
         raise RuntimeError(f"{fqn}: the sharded parameter is not a DTensor (internal error)")
     return t
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a tensor of shape ``size`` is split on ``dim`` over ``world`` ranks, seen from ``rank``.
+
+    Split like ``torch.chunk``: rank r holds rows ``[r*chunk, r*chunk + local_rows)`` of dim
+    ``dim``; ``local_rows`` is ``chunk`` except on trailing ranks of an uneven split (fewer, or
+    none). Every rank sends a padded shard of ``chunk`` rows, so the gathered tensor has
+    ``world * chunk`` rows on ``dim``.
+
+    Attributes:
+        world: how many ranks share the tensor.
+        rank: this rank's index among them.
+        dim: the tensor dim that is split.
+        chunk: rows per rank (padded).
+        local_rows: rows this rank really holds.
+        size: the unpadded shape of the tensor being split.
+
+    Example:
+        >>> import torch
+        >>> from fully_shard.param import ShardLayout
+        >>> lay = ShardLayout.chunked(torch.Size([5, 3]), dim=0, world=4, rank=2)
+        >>> lay.chunk, lay.offset, lay.local_rows, tuple(lay.padded_full_size)
+        (2, 4, 1, (8, 3))
+    """
+
+    world: int
+    rank: int
+    dim: int
+    chunk: int
+    local_rows: int
+    size: torch.Size
+
+    @classmethod
+    def chunked(
+        cls, size: torch.Size, dim: int, world: int, rank: int, chunk: int | None = None
+    ) -> ShardLayout:
+        """``size`` split on ``dim`` into ``world`` chunks of ``chunk`` (default ceil) rows."""
+        dim_size = size[dim]
+        chunk = math.ceil(dim_size / world) if chunk is None else chunk
+        offset = min(rank * chunk, dim_size)
+        local_rows = max(0, min(offset + chunk, dim_size) - offset)
+        return cls(world, rank, dim, chunk, local_rows, size)
+
+    def regrouped(self, world: int, rank: int) -> ShardLayout:
+        """The same padded tensor split over ``world`` ranks instead (``world`` divides ours).
+
+        Each of the new ranks holds ``self.world // world`` of our chunks, so a gather over
+        the new world rebuilds exactly the padded tensor a gather over ours does.
+        """
+        if self.world % world != 0:
+            raise RuntimeError(
+                f"cannot regroup a split over {self.world} ranks into {world} (internal error)"
+            )
+        return ShardLayout.chunked(
+            self.size, self.dim, world, rank, chunk=self.chunk * (self.world // world)
+        )
+
+    @property
+    def offset(self) -> int:
+        return min(self.rank * self.chunk, self.size[self.dim])
+
+    def _with_rows(self, rows: int) -> torch.Size:
+        size = list(self.size)
+        size[self.dim] = rows
+        return torch.Size(size)
+
+    @property
+    def local_size(self) -> torch.Size:
+        """``(local_rows, *rest)`` for dim 0: what this rank holds."""
+        return self._with_rows(self.local_rows)
+
+    @property
+    def padded_shard_size(self) -> torch.Size:
+        """``(chunk, *rest)`` for dim 0: what every rank sends."""
+        return self._with_rows(self.chunk)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.padded_shard_size.numel()
+
+    @property
+    def padded_full_size(self) -> torch.Size:
+        """``(world * chunk, *rest)`` for dim 0: the gathered tensor."""
+        return self._with_rows(self.world * self.chunk)
+
+    def ranked(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (``padded_full_size``) as ``(world, *padded_shard_size)``: rank r's rows."""
+        d, size = self.dim, self.padded_full_size
+        return full.view(*size[:d], self.world, self.chunk, *size[d + 1 :]).movedim(d, 0)
 
 
 class ShardedParam:
@@ -66,7 +174,7 @@ class ShardedParam:
         info: MeshInfo,
         shard_device: torch.device,
         pin_memory: bool,
-        compute_dtype: torch.dtype,
+        mp_policy: MixedPrecisionPolicy,
         tp: TPLayout | None = None,
     ) -> None:
         self.fqn = fqn
@@ -75,34 +183,25 @@ class ShardedParam:
         self.shard_dim = shard_dim
         self.info = info
         self.tp = tp
+        self.mp_policy = mp_policy
         # What we shard: the parameter itself, or its TP-local tensor.
         source = param.to_local() if isinstance(param, DTensor) else param
         self.orig_size = source.size()
         self.global_size = param.size()
-        self.orig_dtype = param.dtype
-        self.compute_dtype = compute_dtype
         self.shard_device = shard_device
-
-        world, rank = info.shard_size, info.shard_rank
-        dim_size = self.orig_size[shard_dim]
-        self.chunk = math.ceil(dim_size / world)
-        self.offset = min(rank * self.chunk, dim_size)
-        self.local_rows = max(0, min(self.offset + self.chunk, dim_size) - self.offset)
-        padded = list(self.orig_size)
-        padded[shard_dim] = self.chunk
-        self.padded_shard_size = torch.Size(padded)
-        self.padded_numel = self.padded_shard_size.numel()
-        padded[shard_dim] = self.chunk * world
-        self.padded_full_size = torch.Size(padded)
-        self.world = world
+        self.layout = ShardLayout.chunked(
+            self.orig_size, shard_dim, info.shard_size, info.shard_rank
+        )
 
         with torch.no_grad():
             if param.device.type == "meta":
-                local = torch.empty(self._local_size(), dtype=param.dtype, device="meta")
+                local = torch.empty(self.layout.local_size, dtype=param.dtype, device="meta")
             else:
-                local = source.detach().narrow(shard_dim, self.offset, self.local_rows)
+                local = source.detach().narrow(
+                    shard_dim, self.layout.offset, self.layout.local_rows
+                )
                 local = torch.empty(
-                    self._local_size(),
+                    self.layout.local_size,
                     dtype=param.dtype,
                     device=shard_device,
                     pin_memory=pin_memory and shard_device.type == "cpu",
@@ -114,6 +213,11 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         self._storage: torch.Tensor | None = None
         self._storage_alias: torch.Tensor | None = None
+        # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
+        # forward and the backward's all-gather (which hands them over and drops them).
+        self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
+        # The layout of the all-gather in flight (set by all_gather_inputs), for the copy-out.
+        self._gathering: ShardLayout | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -121,11 +225,6 @@ class ShardedParam:
     def requires_grad(self) -> bool:
         """Trainable now: read off the sharded parameter, which ``requires_grad_()`` changes."""
         return self.sharded_param.requires_grad
-
-    def _local_size(self) -> torch.Size:
-        size = list(self.orig_size)
-        size[self.shard_dim] = self.local_rows
-        return torch.Size(size)
 
     def __repr__(self) -> str:
         names = self.info.mesh.mesh_dim_names
@@ -135,6 +234,40 @@ class ShardedParam:
             f"ShardedParam({self.fqn}, global={tuple(self.orig_size)}, "
             f"local={tuple(self._local.shape)}, Shard({self.shard_dim})@{dim_name}, {state})"
         )
+
+    # -- geometry and dtypes, read when needed --------------------------------------------------
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        """The sharded parameter's dtype now (``model.to(dtype)`` changes it)."""
+        return self._local.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the all-gather and of the unsharded parameter, asked of the policy now."""
+        return self.mp_policy.compute_dtype(self.orig_dtype)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of one padded shard: what every rank sends for this parameter."""
+        return self.layout.padded_numel
+
+    @property
+    def padded_shard_size(self) -> torch.Size:
+        return self.layout.padded_shard_size
+
+    @property
+    def padded_full_size(self) -> torch.Size:
+        """Shape of the padded unsharded storage."""
+        return self.layout.padded_full_size
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def chunk(self) -> int:
+        return self.layout.chunk
 
     # -- the sharded side ---------------------------------------------------------------------
 
@@ -147,8 +280,10 @@ class ShardedParam:
         """Pick up a sharded parameter that ``Module._apply`` (e.g. ``to_empty``) replaced.
 
         ``_apply`` either swaps the tensor inside our ``nn.Parameter`` or puts a new parameter
-        in the module; either way the module's current one becomes ours again.
+        in the module; either way the module's current one becomes ours again. A post-forward
+        piece is dropped: it has the old dtype and device.
         """
+        self.drop_post_forward()
         module, name = self.slots[0]
         current: object = module._parameters[name]
         # cast: a Parameter can wrap a DTensor, which mypy cannot see
@@ -191,37 +326,111 @@ class ShardedParam:
             # Under no_grad, to_local() is the DTensor's own local tensor: add in place.
             _as_dtensor(grad, self.fqn).to_local().add_(local_grad)
 
+    # -- the all-gather seam: what this parameter sends, and how it is rebuilt ---------------------
+    #
+    # The group asks each parameter for its inputs, packs them into one flat buffer, gathers,
+    # and hands each parameter its blocks of the output back. A tensor subclass's
+    # fsdp_pre_all_gather / fsdp_post_all_gather, or int8 values plus scales, would plug in
+    # here: more inputs per parameter, another rebuild.
+
+    def all_gather_inputs(self) -> list[GatherInput]:
+        """What this rank sends in the next all-gather of its group, in the compute dtype.
+
+        Normally its local rows of the W-rank split. After a forward that kept a post-forward
+        piece (``reshard_after_forward=n``), that piece, for a gather within the n-rank group:
+        it is handed over here and this parameter keeps no reference to it.
+        """
+        if self._post_forward is not None:
+            data, layout = self._post_forward
+            self._post_forward = None
+        else:
+            data, layout = self._local, self.layout
+        self._gathering = layout
+        return [GatherInput(data, self.compute_dtype, layout.padded_shard_size, layout.dim)]
+
+    def all_gather_destinations(self) -> list[torch.Tensor] | None:
+        """``(world, numel)`` views of the storage the gathered blocks can be copied straight
+        into, one per input; ``None`` when that view does not exist (sharded on a dim > 0)."""
+        layout, alias = self._gathering, self._storage_alias
+        if layout is None or alias is None or self.shard_dim != 0:
+            return None
+        return [alias.view(layout.world, -1)]
+
+    def finish_all_gather(self, blocks: list[torch.Tensor] | None) -> None:
+        """Rebuild the unsharded storage from this parameter's ``(world, numel)`` output blocks
+        (``None``: they were already copied into :meth:`all_gather_destinations`)."""
+        layout, alias = self._gathering, self._storage_alias
+        self._gathering = None
+        if blocks is None:
+            return
+        if layout is None or alias is None:
+            raise RuntimeError(f"{self.fqn}: all-gather output before its input (internal error)")
+        (block,) = blocks
+        typed = typed_block(block, alias.dtype)
+        # rank r's padded shard lands at rows [r*chunk, (r+1)*chunk) of dim `shard_dim`
+        layout.ranked(alias).copy_(typed.reshape(layout.world, *layout.padded_shard_size))
+
+    # -- the post-forward piece (reshard_after_forward=n) -------------------------------------
+
+    def reshard_to_post_forward(self, world: int, rank: int) -> None:
+        """Keep rank ``rank``'s rows of a ``world``-rank split of the gathered tensor, free the
+        rest, and show the sharded DTensor again."""
+        alias = self._storage_alias
+        if alias is None or not self.storage_allocated():
+            raise RuntimeError(f"{self.fqn}: post-forward reshard while sharded (internal error)")
+        layout = self.layout.regrouped(world, rank)
+        rows = alias.narrow(self.shard_dim, layout.offset, layout.local_rows)
+        self._post_forward = (rows.clone(memory_format=torch.contiguous_format), layout)
+        self.free_storage()
+        self.register(self.sharded_param)
+
+    def has_post_forward(self) -> bool:
+        return self._post_forward is not None
+
+    def drop_post_forward(self) -> None:
+        self._post_forward = None
+
+    def post_forward_nbytes(self) -> int:
+        """Bytes of the post-forward piece held now (0 without one)."""
+        if self._post_forward is None:
+            return 0
+        data = self._post_forward[0]
+        return data.numel() * data.element_size()
+
     # -- the unsharded side -------------------------------------------------------------------
 
-    def all_gather_slot(self, flat: torch.Tensor) -> torch.Tensor:
-        """This parameter's place inside a rank's all-gather input ``flat`` (padded_numel,)."""
-        return flat.view(self.padded_shard_size).narrow(self.shard_dim, 0, self.local_rows)
-
     def alloc_storage(self) -> None:
-        """Allocate (first time: create) the padded unsharded storage and the unsharded param."""
-        if self._storage is None:
-            storage = torch.empty(
-                self.padded_full_size, dtype=self.compute_dtype, device=self.info.device
-            )
-            self._storage = storage
-            self._storage_alias = storage.data
-            view = storage.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim])
-            if self.tp is not None:
-                # The TP modules compute with DTensors on the TP mesh; it wraps the same bytes.
-                view = DTensor.from_local(
-                    view,
-                    self.tp.mesh,
-                    self.tp.placements,
-                    run_check=False,
-                    shape=self.tp.size,
-                    stride=self.tp.stride,
-                )
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        """Allocate (first time: create) the padded unsharded storage and the unsharded param.
+
+        The storage is in the compute dtype of now: if that changed since the last unshard
+        (``model.to(dtype)``), it is allocated anew and the unsharded parameter (the same
+        ``nn.Parameter`` object, so hooks on it stay) is pointed at it.
+        """
+        dtype, device = self.compute_dtype, self.info.device
+        if self._storage is not None and self._storage.dtype == dtype:
+            untyped = self._storage.untyped_storage()
+            nbytes = self._storage.numel() * self._storage.element_size()
+            if untyped.size() != nbytes:
+                untyped.resize_(nbytes)
             return
-        untyped = self._storage.untyped_storage()
-        nbytes = self._storage.numel() * self._storage.element_size()
-        if untyped.size() != nbytes:
-            untyped.resize_(nbytes)
+        storage = torch.empty(self.layout.padded_full_size, dtype=dtype, device=device)
+        self._storage = storage
+        self._storage_alias = storage.data
+        view = storage.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim])
+        if self.tp is not None:
+            # The TP modules compute with DTensors on the TP mesh; it wraps the same bytes.
+            view = DTensor.from_local(
+                view,
+                self.tp.mesh,
+                self.tp.placements,
+                run_check=False,
+                shape=self.tp.size,
+                stride=self.tp.stride,
+            )
+        if self.unsharded_param is None:
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        else:
+            self.unsharded_param.data = view
 
     def free_storage(self) -> None:
         """Free the unsharded bytes; the tensor objects (and autograd's references) stay."""
@@ -230,22 +439,6 @@ class ShardedParam:
 
     def storage_allocated(self) -> bool:
         return self._storage is not None and self._storage.untyped_storage().size() > 0
-
-    def copy_out_view(self) -> torch.Tensor | None:
-        """A ``(W, padded_numel)`` view of the storage, when one exists (dim-0 sharding)."""
-        if self.shard_dim != 0 or self._storage_alias is None:
-            return None
-        return self._storage_alias.view(self.world, -1)
-
-    def copy_out(self, block: torch.Tensor) -> None:
-        """Fill the storage from this parameter's column block ``(W, padded_numel)``."""
-        alias = self._storage_alias
-        if alias is None:
-            raise RuntimeError(f"{self.fqn}: copy_out before alloc_storage (internal error)")
-        d, size = self.shard_dim, self.padded_full_size
-        # (.., W*c, ..) seen as (W, .., c, ..): rank r's padded shard lands at rows [r*c, (r+1)*c)
-        ranked = alias.view(*size[:d], self.world, self.chunk, *size[d + 1 :]).movedim(d, 0)
-        ranked.copy_(block.view(self.world, *self.padded_shard_size))
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make every slot (module attribute) that refers to this parameter show ``tensor``."""
@@ -289,18 +482,18 @@ class ShardedParam:
 
     def reduce_scatter_view(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad`` (full shape) as ``(W, padded_numel)`` in ``dtype``: rank r's chunk in row r."""
+        layout = self.layout
         d, n = self.shard_dim, self.orig_size[self.shard_dim]
-        if n == self.chunk * self.world and d == 0:
-            return grad.to(dtype).reshape(self.world, -1)
-        padded = torch.zeros(self.padded_full_size, dtype=dtype, device=grad.device)
+        if n == layout.chunk * layout.world and d == 0:
+            return grad.to(dtype).reshape(layout.world, -1)
+        padded = torch.zeros(layout.padded_full_size, dtype=dtype, device=grad.device)
         padded.narrow(d, 0, n).copy_(grad)
         if d == 0:
-            return padded.view(self.world, -1)
-        size = self.padded_full_size
-        ranked = padded.view(*size[:d], self.world, self.chunk, *size[d + 1 :]).movedim(d, 0)
-        return ranked.reshape(self.world, -1)
+            return padded.view(layout.world, -1)
+        return layout.ranked(padded).reshape(layout.world, -1)
 
     def local_grad_from(self, reduced: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the gradient out of its reduce-scatter slice ``(padded_numel,)``."""
-        rows = reduced.view(self.padded_shard_size).narrow(self.shard_dim, 0, self.local_rows)
+        layout = self.layout
+        rows = reduced.view(layout.padded_shard_size).narrow(self.shard_dim, 0, layout.local_rows)
         return rows if rows.is_contiguous() else rows.contiguous()

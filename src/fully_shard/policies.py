@@ -85,8 +85,14 @@ class MixedPrecisionPolicy:
             )
 
     def compute_dtype(self, orig_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a parameter of ``orig_dtype`` is all-gathered and computed in."""
-        return self.param_dtype if self.param_dtype is not None else orig_dtype
+        """The dtype a parameter of ``orig_dtype`` is all-gathered and computed in.
+
+        A non-floating parameter (a frozen int8 weight) keeps its dtype: casting it would
+        change its values, not just their precision.
+        """
+        if self.param_dtype is None or not orig_dtype.is_floating_point:
+            return orig_dtype
+        return self.param_dtype
 
     def reduce_dtype_for(self, orig_dtype: torch.dtype) -> torch.dtype:
         """The dtype the gradient of a parameter of ``orig_dtype`` is reduced in."""

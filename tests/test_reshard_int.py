@@ -1,0 +1,335 @@
+"""``reshard_after_forward=n``: after forward keep the parameters sharded over n ranks (hpZ).
+
+With W shard ranks and an int n dividing W, a group's forward all-gathers over all W ranks as
+usual; after forward each rank keeps, instead of nothing, its piece of the padded parameters
+split over its group of n consecutive shard ranks (``1/n`` of the padded size), and
+backward all-gathers those pieces within the n ranks. torch 2.13's semantics: ``n == W`` is
+``True``, ``n == 1`` is ``False`` (with a warning); ``set_reshard_after_forward`` takes only
+a bool and replaces the int.
+
+- parity at W = 4, n = 2 over several AdamW steps: against an unsharded replica (1-D mesh,
+  dims 0 and 1, and a (1, 4) HSDP mesh) and against torch's ``fully_shard`` with the option;
+- memory: between forward and backward, each rank holds exactly ``1/n`` of the padded
+  parameters and no unsharded storage;
+- bytes: forward's all-gather sends ``1/W`` of the padded group per rank over W ranks,
+  backward's ``1/n`` over n ranks;
+- the corner cases: n == 1 and n == W, ``set_reshard_after_forward``, pieces that went stale,
+  tensor-parallel parameters refused before anything changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fully_shard import (
+    CountingComm,
+    FullyShardNotImplementedError,
+    FullyShardValueError,
+    fully_shard,
+)
+from harness import device_mesh, mesh_1d, run_distributed
+from models import MLPStack, ModelArgs, Transformer
+from parity import (
+    check_parity,
+    make_float_batch,
+    make_token_batch,
+    needs_torch_fsdp2_on_cpu,
+    wrap_layers_then_root,
+)
+
+WORLD = 4
+N = 2
+DIMS = [7, 13, 5, 3]  # uneven over 4 ranks and over 2 groups of 2
+
+
+def _torch_fully_shard(*args: Any, **kwargs: Any) -> Any:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    return torch_fully_shard(*args, **kwargs)
+
+
+def _impl(name: str) -> Any:
+    return fully_shard if name == "ours" else _torch_fully_shard
+
+
+def _build(model: str) -> nn.Module:
+    if model == "transformer":
+        return Transformer(ModelArgs(n_layers=3))
+    return MLPStack(DIMS, activation="tanh")
+
+
+def _batch(model: str) -> Any:
+    if model == "transformer":
+        return make_token_batch
+    return functools.partial(make_float_batch, in_dim=DIMS[0], out_dim=DIMS[-1])
+
+
+def _placement(dim: int) -> Any:
+    return None if dim == 0 else (lambda p: Shard(dim) if p.dim() > dim else None)
+
+
+def _parity(impl: str, model: str, shard_dim: int, mesh_shape: tuple[int, ...]) -> Any:
+    shard = wrap_layers_then_root(
+        _impl(impl), reshard_after_forward=N, shard_placement_fn=_placement(shard_dim)
+    )
+    mesh = device_mesh(mesh_shape)
+    return check_parity(lambda: _build(model), shard, _batch(model), mesh, steps=4)
+
+
+@pytest.mark.parametrize(
+    ("model", "shard_dim", "mesh_shape"),
+    [
+        ("mlp", 0, (WORLD,)),
+        ("transformer", 0, (WORLD,)),
+        ("mlp", 1, (WORLD,)),
+        ("transformer", 0, (1, WORLD)),  # HSDP: replicate 1, shard 4
+    ],
+)
+def test_parity_with_the_unsharded_model(
+    model: str, shard_dim: int, mesh_shape: tuple[int, ...]
+) -> None:
+    for stats in run_distributed(_parity, WORLD, "ours", model, shard_dim, mesh_shape):
+        assert stats["zero_grad_params"] == []
+
+
+def _train(impl: str, model: str) -> dict[str, Any]:
+    """A few AdamW steps of the sharded model alone: losses and final full parameters."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = _build(model)
+    wrap_layers_then_root(_impl(impl), reshard_after_forward=N)(net, mesh_1d())
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        x, y = _batch(model)(WORLD * 2, gen)
+        out = net(x[rank * 2 : rank * 2 + 2])
+        if model == "transformer":
+            loss = F.cross_entropy(out.flatten(0, 1), y[rank * 2 : rank * 2 + 2].flatten())
+        else:
+            loss = F.mse_loss(out, y[rank * 2 : rank * 2 + 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {
+        "losses": torch.stack(losses),
+        "params": {n: p.full_tensor() for n, p in net.named_parameters()},  # type: ignore[attr-defined]
+    }
+
+
+@needs_torch_fsdp2_on_cpu
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_matches_torch_fully_shard_with_the_same_option(model: str) -> None:
+    # torch's passes the same parity check...
+    for stats in run_distributed(_parity, WORLD, "torch", model, 0, (WORLD,)):
+        assert stats["zero_grad_params"] == []
+    # ...and the two agree with each other, rank by rank
+    ours = run_distributed(_train, WORLD, "ours", model)
+    ref = run_distributed(_train, WORLD, "torch", model)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a["losses"], b["losses"], atol=1e-6, rtol=1e-5)
+        for name, p in b["params"].items():
+            torch.testing.assert_close(a["params"][name], p, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+def _padded_numel(shape: torch.Size, world: int) -> int:
+    return math.ceil(shape[0] / world) * world * math.prod(shape[1:])
+
+
+def _between_forward_and_backward(flag: bool | int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = MLPStack([8, 8, 8, 8], activation="tanh")  # every dim divides by 4
+    for block in model.layers:
+        fully_shard(block, mesh=mesh_1d(), reshard_after_forward=flag)
+    fully_shard(model, mesh=mesh_1d())
+    loss = model(torch.randn(2, 8)).sum()
+    blocks = [block._fsdp_state.group for block in model.layers]  # type: ignore[union-attr]
+    seen = {
+        "piece_bytes": [g.post_forward_nbytes() for g in blocks],
+        "padded_bytes": [
+            sum(_padded_numel(p.orig_size, WORLD) * 4 for p in g.params) for g in blocks
+        ],
+        "storage_alive": [any(p.storage_allocated() for p in g.params) for g in blocks],
+        "shows_sharded": [
+            all(isinstance(t, DTensor) for t in block.parameters()) for block in model.layers
+        ],
+    }
+    loss.backward()
+    seen["piece_bytes_after"] = [g.post_forward_nbytes() for g in blocks]
+    seen["storage_alive_after"] = [any(p.storage_allocated() for p in g.params) for g in blocks]
+    return seen
+
+
+@pytest.mark.parametrize(("flag", "held"), [(N, 1 / N), (True, 0.0), (False, 0.0)])
+def test_between_forward_and_backward_a_rank_holds_one_nth_of_the_padded_parameters(
+    flag: bool | int, held: float
+) -> None:
+    for seen in run_distributed(_between_forward_and_backward, WORLD, flag):
+        assert seen["piece_bytes"] == [int(b * held) for b in seen["padded_bytes"]]
+        # False keeps the whole unsharded storage; True and an int free it
+        assert seen["storage_alive"] == [flag is False] * 3
+        assert seen["shows_sharded"] == [flag is not False] * 3
+        # after backward nothing of either kind is left
+        assert seen["piece_bytes_after"] == [0, 0, 0]
+        assert seen["storage_alive_after"] == [False, False, False]
+
+
+# -- bytes -----------------------------------------------------------------------------------
+
+
+class GroupSizeComm(CountingComm):
+    """Also records the size of the process group each all-gather ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers: list[tuple[int, int, str]] = []  # (group size, bytes sent, dtype)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> Any:
+        self.gathers.append((group.size(), input.numel() * input.element_size(), str(input.dtype)))
+        return super().all_gather(output, input, group, async_op)
+
+
+def _gathers(flag: bool | int, *, set_after: bool | None = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = MLPStack(DIMS, activation="tanh")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for block in model.layers:
+            fully_shard(block, mesh=mesh_1d(), reshard_after_forward=flag)
+    fully_shard(model, mesh=mesh_1d())
+    if set_after is not None:
+        model.set_reshard_after_forward(set_after, True)  # type: ignore[operator]  # torch's positional recurse
+    comm = GroupSizeComm()
+    model.set_comm(comm)  # type: ignore[operator]
+    model(torch.randn(2, DIMS[0])).sum().backward()
+    shapes = [[tuple(p.orig_size) for p in b._fsdp_state.group.params] for b in model.layers]  # type: ignore[union-attr]
+    return {"gathers": comm.gathers, "shapes": shapes, "warnings": [str(w.message) for w in caught]}
+
+
+def _group_bytes(shapes: list[tuple[int, ...]], over: int) -> int:
+    """Bytes one rank sends for a group whose padded (W-rank) parameters are split ``over``."""
+    return sum(_padded_numel(torch.Size(s), WORLD) * 4 // over for s in shapes)
+
+
+def _expected(shapes: list[list[tuple[int, ...]]], backward_world: int | None) -> list[Any]:
+    forward = [(WORLD, _group_bytes(s, WORLD), "torch.float32") for s in shapes]
+    if backward_world is None:
+        return forward
+    backward = [(backward_world, _group_bytes(s, backward_world), "torch.float32") for s in shapes]
+    return forward + backward[::-1]
+
+
+@pytest.mark.parametrize(
+    ("flag", "set_after", "backward_world"),
+    [
+        (N, None, N),  # backward gathers 1/n of the padded group, within n ranks
+        (WORLD, None, WORLD),  # n == W is True
+        (True, None, WORLD),
+        (N, True, WORLD),  # set_reshard_after_forward(True) replaces the int
+        (N, False, None),  # ... and False keeps the parameters: no backward all-gather
+        (False, None, None),
+    ],
+)
+def test_backward_all_gather_moves_the_n_group_bytes(
+    flag: bool | int, set_after: bool | None, backward_world: int | None
+) -> None:
+    for got in run_distributed(_gathers, WORLD, flag, set_after=set_after):
+        assert got["gathers"] == _expected(got["shapes"], backward_world)
+        assert got["warnings"] == []
+
+
+def test_n_equal_1_keeps_the_parameters_like_false_and_says_so() -> None:
+    for got in run_distributed(_gathers, WORLD, 1):
+        assert got["gathers"] == _expected(got["shapes"], None)
+        assert len(got["warnings"]) == 3  # one per fully_shard call
+        assert "reshard_after_forward=1" in got["warnings"][0]
+        assert "like reshard_after_forward=False" in got["warnings"][0]
+
+
+# -- stale pieces, errors ----------------------------------------------------------------------
+
+
+def _stale_pieces() -> bool:
+    torch.manual_seed(0)
+    model = MLPStack(DIMS, activation="tanh")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh_1d(), reshard_after_forward=N)
+    fully_shard(model, mesh=mesh_1d())
+    model(torch.randn(2, DIMS[0])).sum()  # forward that needs grad, no backward: pieces kept
+    block = model.layers[0]
+    assert block._fsdp_state.group.post_forward_nbytes() > 0  # type: ignore[union-attr]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # the pieces are now stale
+    want = {n: p.full_tensor() for n, p in block.named_parameters()}  # type: ignore[attr-defined]
+    block.unshard()  # type: ignore[operator]
+    return all(torch.equal(p, want[n]) for n, p in block.named_parameters())
+
+
+def test_pieces_that_went_stale_are_not_gathered() -> None:
+    assert run_distributed(_stale_pieces, WORLD) == [True] * WORLD
+
+
+def _copies() -> bool:
+    model = MLPStack(DIMS)
+    fully_shard(model, mesh=mesh_1d(), reshard_after_forward=N)
+    # the mesh now caches its subgroups: it must still pickle (torch.compile, DCP planners)
+    # and its DTensors still deep-copy
+    clone = pickle.loads(pickle.dumps(mesh_1d()))
+    param = copy.deepcopy(next(model.parameters()))
+    return bool(clone == mesh_1d() and isinstance(param, DTensor))
+
+
+def test_a_mesh_with_subgroups_still_pickles_and_its_dtensors_copy() -> None:
+    assert run_distributed(_copies, WORLD) == [True] * WORLD
+
+
+def _errors() -> list[str]:
+    out = []
+    model = MLPStack(DIMS)
+    fully_shard(model, mesh=mesh_1d(), reshard_after_forward=N)
+    try:
+        model.set_reshard_after_forward(N)  # type: ignore[operator]
+    except FullyShardValueError as e:
+        out.append(str(e))
+    # A tensor-parallel parameter: a (dp=4, tp=1) mesh, so n=2 is a real resharding
+    root = device_mesh((WORLD, 1), ("dp", "tp"))
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), root["tp"], [Shard(0)]))
+    before = type(lin)
+    try:
+        fully_shard(lin, mesh=root["dp"], reshard_after_forward=N)
+    except FullyShardNotImplementedError as e:
+        out.append(str(e))
+    out.append(str(type(lin) is before and not isinstance(lin.bias, DTensor)))
+    return out
+
+
+def test_errors_say_what_to_do() -> None:
+    for got in run_distributed(_errors, WORLD):
+        assert got == [
+            "set_reshard_after_forward takes a bool (as torch's does), got 2; to reshard to "
+            "groups of n ranks after forward pass reshard_after_forward=n to fully_shard",
+            "reshard_after_forward=2 with tensor-parallel parameter 'weight' is not supported "
+            "(nor by torch's fully_shard); pass True or False for the modules with "
+            "tensor-parallel parameters",
+            "True",
+        ]
