@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from fully_shard import TorchComm
+from fully_shard.collectives import SUM
 
 PAIRS = ("all_gather", "reduce_scatter")
 
@@ -67,7 +68,7 @@ def _one_size(mib: float, calls: int) -> dict[str, list[float]]:
 
     def ours_reduce_scatter() -> torch.Tensor:
         out = torch.empty(n)
-        comm.reduce_scatter(out, grads.clone(), group, async_op=False)
+        comm.reduce_scatter(out, grads.clone(), group, SUM, async_op=False)
         return out
 
     fns: dict[str, Callable[[], torch.Tensor]] = {

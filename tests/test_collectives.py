@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fully_shard import TorchComm
+from fully_shard.collectives import SUM
 from harness import device_mesh, run_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -63,7 +64,7 @@ def _compare(n: int, dtype_name: str, async_op: bool, in_place: bool, mesh_dim: 
 
     full = _data(world * n, dtype, salt=2)
     out = torch.full((n,), float("nan"), dtype=dtype)
-    work = comm.reduce_scatter(out, full.clone(), group, async_op)
+    work = comm.reduce_scatter(out, full.clone(), group, SUM, async_op)
     if work is not None:
         work.wait()
     want = torch.empty(n, dtype=dtype)

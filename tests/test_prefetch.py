@@ -65,9 +65,11 @@ class _StateSpy(CountingComm):
         self.layers = layers
         self.at_reduce: list[list[GroupState]] = []
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, group: Any, async_op: bool) -> Any:
+    def reduce_scatter(
+        self, output: Tensor, input: Tensor, group: Any, reduction: Any, async_op: bool
+    ) -> Any:
         self.at_reduce.append([_state(m) for m in self.layers])
-        return super().reduce_scatter(output, input, group, async_op)
+        return super().reduce_scatter(output, input, group, reduction, async_op)
 
 
 def _observe(mode: str) -> dict[str, Any]:

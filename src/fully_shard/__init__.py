@@ -9,7 +9,7 @@ Example:
 
 from . import debug, trace
 from .api import fully_shard
-from .collectives import Comm, CommRecord, CountingComm, TorchComm
+from .collectives import AllGather, Comm, CommRecord, CountingComm, ReduceScatter, TorchComm
 from .errors import (
     FullyShardDesyncError,
     FullyShardError,
@@ -18,16 +18,23 @@ from .errors import (
     FullyShardTypeError,
     FullyShardValueError,
 )
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGather",
     "CPUOffloadPolicy",
     "Comm",
     "CommRecord",
     "CountingComm",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FullyShardDesyncError",
     "FullyShardError",
@@ -37,10 +44,12 @@ __all__ = [
     "FullyShardValueError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReduceScatter",
     "TorchComm",
     "UnshardHandle",
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "trace",
 ]

@@ -107,3 +107,28 @@ def will_run_in_this_backward(node: object) -> bool:
     if will_execute is None:
         return True
     return bool(will_execute(node))
+
+
+def backend_allocate(
+    group: object, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """A ``(numel,)`` buffer from ``group``'s backend allocator, or ``None`` if it has none.
+
+    ``set_allocate_memory_from_process_group_for_comm``: NCCL can hand out memory registered
+    for zero-copy transfers. The process group exposes its per-device backend only as
+    ``ProcessGroup._get_backend(device)`` (2.13; torch's FSDP2 uses the same call);
+    ``supports_tensor_alloc`` / ``allocate_tensor`` on it are public. gloo has no allocator,
+    and a torch without these methods (older releases) gets ``None`` too.
+    """
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is None:
+        return None
+    try:
+        backend = get_backend(device)
+    except RuntimeError:  # no backend registered for this device type
+        return None
+    supports = getattr(backend, "supports_tensor_alloc", None)
+    if supports is None or not supports(device):
+        return None
+    out: torch.Tensor = backend.allocate_tensor(numel, dtype=dtype, device=device)
+    return out

@@ -39,7 +39,7 @@ from .mesh import (
 )
 from .module import FSDPModule
 from .param import ShardedParam
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -72,6 +72,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> M: ...
 
 
@@ -85,6 +86,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -97,6 +99,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place, and return it.
 
@@ -131,6 +134,9 @@ def fully_shard(
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
+        dp_mesh_dims: torch 2.13's way of naming the data-parallel dims of a full SPMD mesh
+            (a :class:`DataParallelMeshDims`). Only ``None`` is supported yet; a
+            ``DataParallelMeshDims`` raises ``FullyShardNotImplementedError``.
 
     Returns:
         ``module``, its class swapped to an ``FSDPModule`` subclass.
@@ -143,6 +149,7 @@ def fully_shard(
         >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> optim = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
     """
+    _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
     info = _resolve_mesh(mesh)
     reshard_flag, post_forward_size = _check_reshard_after_forward(reshard_after_forward, info)
@@ -204,6 +211,22 @@ def fully_shard(
         # type objects are hashable; torch's stubs declare Module.__hash__ oddly for mypy
         m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]
     return module
+
+
+def _check_dp_mesh_dims(dp_mesh_dims: object) -> None:
+    if dp_mesh_dims is None:
+        return
+    if isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise FullyShardNotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) (parameters that are already "
+            "DTensors on a full SPMD mesh) is not supported yet; pass the data-parallel "
+            'sub-mesh instead, e.g. mesh=root["dp"] (1-D) or mesh=root["dp_rep", "dp_shard"] '
+            "(HSDP), and leave dp_mesh_dims=None"
+        )
+    raise FullyShardTypeError(
+        f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims or None, got "
+        f"{type(dp_mesh_dims).__name__}"
+    )
 
 
 def _check_modules(module: object) -> tuple[nn.Module, ...]:

@@ -17,22 +17,162 @@ reduce-scatter::
 The all-gather buffer has one dtype (:func:`wire_dtype`): the parameters' compute dtype, or
 ``uint8`` when they differ (each :class:`GatherInput` then takes its byte size); padding is
 written as zeros.
+
+Gradient collectives take a :class:`Reduction`: the reduce op and the divide factors are
+arguments of the call, so a backend can divide where it is cheapest and safest (NCCL's
+``AVG`` / ``PREMUL_SUM``; gloo: a sum, then one division of this rank's chunk) instead of the
+engine summing and dividing afterwards, which overflows fp16 at large worlds.
+:func:`plan_reduction` chooses them as torch's FSDP2 does.
+
+:class:`AllGather` and :class:`ReduceScatter` are the call protocols of a user's own
+collectives (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``), the same
+as torch's: ``allocate(size, *, dtype, device)`` for the buffers, ``__call__`` to issue.
 """
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+
+from ._compat import backend_allocate
+from .errors import FullyShardValueError
 
 
 class Waitable(Protocol):
     """What an async collective returns (a ``dist.Work``, or a wrapper around one)."""
 
     def wait(self) -> Any: ...
+
+
+ReduceOpName = Literal["sum", "avg", "premul_sum"]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a gradient collective reduces: divide before, reduce with ``op``, divide after.
+
+    Attributes:
+        op: ``"sum"``; ``"avg"`` (the sum divided by the group's size); or ``"premul_sum"``
+            (every input multiplied by ``1 / factor`` as it is summed: NCCL's ``PREMUL_SUM``;
+            a backend without it sums, then divides the result by ``factor``).
+        factor: the divisor of ``"premul_sum"`` (``None`` for the other ops).
+        pre_divide: divide the input by this before the collective (fp16: part of the
+            division goes before the sum so that it cannot overflow).
+        post_divide: divide the result by this once the collective is done.
+
+    Example:
+        >>> from fully_shard.collectives import Reduction
+        >>> Reduction("avg").divisor(group_size=4)
+        4.0
+        >>> Reduction("sum", pre_divide=2.0, post_divide=2.0).divisor(group_size=4)
+        4.0
+    """
+
+    op: ReduceOpName = "sum"
+    factor: float | None = None
+    pre_divide: float | None = None
+    post_divide: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "avg", "premul_sum"):
+            raise ValueError(f"Reduction.op must be 'sum', 'avg' or 'premul_sum', got {self.op!r}")
+        if (self.op == "premul_sum") != (self.factor is not None):
+            raise ValueError("Reduction.factor is set exactly when op is 'premul_sum'")
+
+    def divisor(self, group_size: int) -> float:
+        """What the whole reduction divides the sum by (all divisions together)."""
+        total = 1.0
+        for part in (self.pre_divide, self.post_divide, self.factor):
+            if part is not None:
+                total *= part
+        return total * group_size if self.op == "avg" else total
+
+    def torch_op(self) -> dist.ReduceOp:
+        """The ``torch.distributed`` op (what a user's ``ReduceScatter`` is handed)."""
+        if self.factor is not None:
+            return dist.ReduceOp.PREMUL_SUM(1 / self.factor)
+        # RedOpType values convert to ReduceOp wherever torch takes one.
+        return dist.ReduceOp(dist.ReduceOp.AVG if self.op == "avg" else dist.ReduceOp.SUM)
+
+
+SUM = Reduction()
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    """The reductions of one group's gradients: reduce-scatter, HSDP all-reduce, last divide.
+
+    ``post_divide`` is applied once the chain is done (after the user's all-reduce hook, which
+    sees the reduced gradient before it, as in torch's FSDP2).
+
+    Example:
+        >>> import torch
+        >>> from fully_shard.collectives import plan_reduction
+        >>> plan_reduction(torch.float32, shard_size=4, replicate_size=1)
+        ReducePlan(reduce_scatter=Reduction(op='avg', ...), ...)  # doctest: +SKIP
+    """
+
+    reduce_scatter: Reduction
+    all_reduce: Reduction
+    post_divide: float | None
+
+
+def plan_reduction(
+    reduce_dtype: torch.dtype,
+    shard_size: int,
+    replicate_size: int,
+    *,
+    factor: float | None = None,
+    force_sum: bool = False,
+    device_type: str = "cpu",
+) -> ReducePlan:
+    """Choose the ops and divide factors that average (or divide by ``factor``) gradients.
+
+    The same choices as torch's FSDP2 (2.13), so that numbers match it bit for bit:
+
+    - fp32 / bf16 and sums allowed: ``AVG`` on both collectives; with a custom ``factor``,
+      ``AVG`` when it equals the shard size, else ``PREMUL_SUM(1 / factor)`` on the
+      reduce-scatter and a plain sum on the all-reduce. No separate division.
+    - fp16 (or float64), or ``force_sum`` (NCCL's zero-copy collectives need SUM; MTIA has
+      nothing else): sums only; for fp16 the division is split into a power of two before
+      the sum and the rest after, so neither the inputs nor the sum overflow; otherwise all
+      of it after.
+
+    ``factor`` defaults to the data-parallel size (shard size x replicate size).
+    """
+    sum_only = force_sum or device_type == "mtia"
+    dp_size = shard_size * replicate_size
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not sum_only:
+        if factor is None:
+            # NCCL's AVG is wrong on one rank; nothing to divide there anyway.
+            op: ReduceOpName = "sum" if dp_size == 1 else "avg"
+            return ReducePlan(Reduction(op), Reduction(op), None)
+        if factor == shard_size:
+            return ReducePlan(Reduction("avg"), SUM, None)
+        return ReducePlan(Reduction("premul_sum", factor=float(factor)), SUM, None)
+    total = float(dp_size if factor is None else factor)
+    if not overflow_risk:
+        # Dividing after the sum touches W times fewer elements than dividing before.
+        return ReducePlan(SUM, SUM, total)
+    # The smallest power of two that no longer divides the factor or whose square reaches
+    # it: about sqrt(factor) before the sum, the rest after.
+    pre = 1.0
+    while total % pre == 0 and pre * pre < total:
+        pre *= 2
+    return ReducePlan(Reduction("sum", pre_divide=pre), SUM, total / pre)
+
+
+def divide_(tensor: torch.Tensor, divisor: float | None) -> None:
+    """``tensor /= divisor`` in place, skipped when there is nothing to divide by."""
+    if divisor is not None and divisor != 1:
+        tensor.div_(divisor)
 
 
 class Comm(Protocol):
@@ -51,19 +191,30 @@ class Comm(Protocol):
         ...
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
     ) -> Waitable | None:
-        """Sum ``input`` (W times larger) over ranks; rank r keeps the r-th chunk in ``output``.
+        """Reduce ``input`` (W times larger) over ranks; rank r keeps the r-th chunk in ``output``.
 
-        ``input`` is the engine's own scratch buffer, dropped once the work is done: an
-        implementation may overwrite it (``TorchComm`` does, on gloo).
+        ``reduction`` says the op and the divisions; ``output`` holds the final values once
+        the call (or the returned handle's ``wait()``) returns. ``input`` is the engine's own
+        scratch buffer, dropped once the work is done: an implementation may overwrite it
+        (``TorchComm`` does, on gloo).
         """
         ...
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
-        """Sum ``tensor`` over the ranks of ``group``, in place."""
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
+    ) -> Waitable | None:
+        """Reduce ``tensor`` over the ranks of ``group`` in place, as ``reduction`` says."""
         ...
 
 
@@ -82,15 +233,22 @@ class _AllWorks:
 
 
 class _ChunkOnWait:
-    """An in-place all-reduce that finishes as a reduce-scatter: ``wait()`` copies our chunk."""
+    """An in-place all-reduce that finishes as a reduce-scatter: ``wait()`` copies our chunk
+    and divides it (the chunk: W times fewer elements than the buffer)."""
 
     def __init__(
-        self, work: dist.Work | None, output: torch.Tensor, summed: torch.Tensor, rank: int
+        self,
+        work: dist.Work | None,
+        output: torch.Tensor,
+        summed: torch.Tensor,
+        rank: int,
+        divisor: float | None,
     ) -> None:
         self._work = work
         self._output = output
         self._summed = summed  # (W * n,) the all-reduced buffer; rank r's chunk is r-th
         self._rank = rank
+        self._divisor = divisor
 
     def wait(self) -> bool:
         if self._work is not None:
@@ -98,7 +256,40 @@ class _ChunkOnWait:
             self._work = None
         n = self._output.numel()
         self._output.copy_(self._summed.narrow(0, self._rank * n, n))
+        divide_(self._output, self._divisor)
+        self._divisor = None
         return True
+
+
+class _DivideOnWait:
+    """A collective whose result still needs a division once it is done."""
+
+    def __init__(self, work: Waitable | None, tensor: torch.Tensor, divisor: float | None) -> None:
+        self._work = work
+        self._tensor = tensor
+        self._divisor = divisor
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        divide_(self._tensor, self._divisor)
+        self._divisor = None
+        return True
+
+
+def _after_sum(reduction: Reduction, group_size: int) -> float | None:
+    """What to divide by after a plain sum to get ``reduction``'s result (gloo's way).
+
+    gloo's own ``AVG`` is exactly this (a sum, then a division by the group size: checked
+    bit for bit on torch 2.13), and gloo has no ``PREMUL_SUM``.
+    """
+    divisor = 1.0 if reduction.post_divide is None else reduction.post_divide
+    if reduction.op == "avg":
+        divisor *= group_size
+    elif reduction.factor is not None:
+        divisor *= reduction.factor
+    return None if divisor == 1 else divisor
 
 
 def _finish(done: Waitable, async_op: bool) -> Waitable | None:
@@ -163,22 +354,42 @@ class TorchComm:
         return self._all_gather(output, input, group=group, async_op=async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
     ) -> Waitable | None:
-        if dist.get_backend(group) == dist.Backend.GLOO and input.is_contiguous():
-            work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            return _finish(_ChunkOnWait(work, output, input, group.rank()), async_op)
-        return self._reduce_scatter(
-            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        divide_(input, reduction.pre_divide)  # our scratch buffer: divide it in place
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            divisor = _after_sum(reduction, group.size())
+            if input.is_contiguous():
+                work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                return _finish(_ChunkOnWait(work, output, input, group.rank(), divisor), async_op)
+            work = self._reduce_scatter(
+                output, input, op=dist.ReduceOp.SUM, group=group, async_op=True
+            )
+            return _finish(_DivideOnWait(work, output, divisor), async_op)
+        work = self._reduce_scatter(
+            output, input, op=reduction.torch_op(), group=group, async_op=True
         )
+        return _finish(_DivideOnWait(work, output, reduction.post_divide), async_op)
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
-        work: dist.Work | None = dist.all_reduce(
-            tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-        )
-        return work
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
+    ) -> Waitable | None:
+        divide_(tensor, reduction.pre_divide)
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            divisor, op = _after_sum(reduction, group.size()), dist.ReduceOp(dist.ReduceOp.SUM)
+        else:
+            divisor, op = reduction.post_divide, reduction.torch_op()
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return _finish(_DivideOnWait(work, tensor, divisor), async_op)
 
 
 @dataclass(frozen=True)
@@ -229,16 +440,25 @@ class CountingComm:
         return self.inner.all_gather(output, input, group, async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
     ) -> Waitable | None:
         self._record("reduce_scatter", input)
-        return self.inner.reduce_scatter(output, input, group, async_op)
+        return self.inner.reduce_scatter(output, input, group, reduction, async_op)
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-    ) -> dist.Work | None:
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
+    ) -> Waitable | None:
         self._record("all_reduce", tensor)
-        return self.inner.all_reduce(tensor, group, async_op)
+        return self.inner.all_reduce(tensor, group, reduction, async_op)
 
     def bytes_by_op(self) -> dict[str, int]:
         """Total bytes per op name since the last :meth:`reset`."""
@@ -372,8 +592,198 @@ def typed_block(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return typed
 
 
-def pack_for_reduce_scatter(views: Sequence[torch.Tensor], world: int) -> torch.Tensor:
-    """Lay out ``(W, padded_numel_i)`` gradient views rank by rank: ``(W * total,)``."""
-    if len(views) == 1:
-        return views[0].reshape(-1).contiguous()
-    return torch.cat(list(views), dim=1).view(-1)
+def pack_grad(block: torch.Tensor, grad: torch.Tensor | None, dim: int, chunk: int) -> None:
+    """Write one parameter's full gradient into its column block of the reduce-scatter input.
+
+    ``block`` is ``(W, padded_numel)``, a column slice of the ``(W, total)`` buffer: row r
+    receives the ``chunk`` rows (along ``dim``) that rank r owns, padded with zeros. One copy
+    per rank at most, cast to the buffer's dtype on the way: no padded temporary, no second
+    pass. ``grad`` ``None`` (a parameter unused on this rank) writes zeros, so that every
+    rank reduce-scatters the same layout.
+    """
+    world = block.size(0)
+    if grad is None:
+        block.zero_()
+        return
+    size = grad.size()
+    n = size[dim]
+    # (W, *size[:dim], chunk, *size[dim+1:]): row r as the shape of one padded shard.
+    ranked = block.view(world, *size[:dim], chunk, *size[dim + 1 :])
+    if dim == 0 and n == chunk * world:  # even split on dim 0: one copy
+        ranked.copy_(grad.view(world, chunk, *size[1:]))
+        return
+    for r in range(world):
+        start = min(r * chunk, n)
+        rows = min(chunk, n - start)
+        dst = ranked[r]
+        if rows > 0:
+            dst.narrow(dim, 0, rows).copy_(grad.narrow(dim, start, rows))
+        if rows < chunk:
+            dst.narrow(dim, rows, chunk - rows).zero_()
+
+
+class AllGather(ABC):
+    """The all-gather of ``FSDPModule.set_custom_all_gather``: allocate, then gather.
+
+    The same protocol as torch's ``torch.distributed.fsdp.AllGather``, whose subclasses are
+    accepted too (checked by duck typing: a callable ``allocate`` and ``__call__``).
+    ``allocate`` makes the group's all-gather output ``(W * total,)``; this rank's input is
+    its own slice of it (gathered in place). The call goes through the group's observers
+    (trace, profiler labels) like every other collective.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> from fully_shard import AllGather
+        >>> class MyAllGather(AllGather):
+        ...     def allocate(self, size, *, dtype, device):
+        ...         return torch.empty(*size, dtype=dtype, device=device)
+        ...     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        ...         return dist.all_gather_into_tensor(
+        ...             output_tensor, input_tensor, group=group, async_op=async_op)
+        >>> model.set_custom_all_gather(MyAllGather())  # doctest: +SKIP
+    """
+
+    @abstractmethod
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A buffer of ``size`` for the collective (e.g. from a communication memory pool)."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Gather every rank's ``input_tensor`` into ``output_tensor``, rank by rank."""
+
+
+class ReduceScatter(ABC):
+    """The reduce-scatter of ``FSDPModule.set_custom_reduce_scatter``: allocate, then reduce.
+
+    The same protocol as torch's ``torch.distributed.fsdp.ReduceScatter`` (its subclasses
+    are accepted too). ``allocate`` makes the ``(W * total,)`` input and ``(total,)`` output
+    buffers; ``__call__`` is handed the ``torch.distributed`` op torch's FSDP2 would use
+    (``AVG``, ``SUM`` or ``PREMUL_SUM``) and is called synchronously, as torch calls it. The
+    divisions that come before or after the collective (fp16, ``force_sum``) are done by
+    the engine around the call.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> from fully_shard import ReduceScatter
+        >>> class MyReduceScatter(ReduceScatter):
+        ...     def allocate(self, size, *, dtype, device):
+        ...         return torch.empty(*size, dtype=dtype, device=device)
+        ...     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        ...         return dist.reduce_scatter_tensor(
+        ...             output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        >>> model.set_custom_reduce_scatter(MyReduceScatter())  # doctest: +SKIP
+    """
+
+    @abstractmethod
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A buffer of ``size`` for the collective."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Reduce ``input_tensor`` over ranks with ``op``; keep this rank's chunk in ``output``."""
+
+
+def is_comm_protocol(obj: object) -> bool:
+    """Whether ``obj`` looks like an ``AllGather`` / ``ReduceScatter`` (ours or torch's)."""
+    return callable(getattr(obj, "allocate", None)) and callable(obj)
+
+
+class UserAllGather:
+    """Our ``Comm.all_gather`` over a user's :class:`AllGather` (the other calls: ``inner``)."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> Waitable | None:
+        # Keywords, as torch's FSDP2 calls it: a user's implementation may rely on the names.
+        work: Waitable | None = self.user(
+            output_tensor=output, input_tensor=input, group=group, async_op=async_op
+        )
+        if async_op:
+            return work
+        _finish_if(work)
+        return None
+
+
+class UserReduceScatter:
+    """Our ``Comm.reduce_scatter`` over a user's :class:`ReduceScatter`.
+
+    The user's call gets the op; the divisions before and after it are done here.
+    """
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduction: Reduction,
+        async_op: bool,
+    ) -> Waitable | None:
+        divide_(input, reduction.pre_divide)
+        work: Waitable | None = self.user(
+            output_tensor=output, input_tensor=input, group=group, op=reduction.torch_op()
+        )
+        return _finish(_DivideOnWait(work, output, reduction.post_divide), async_op)
+
+
+def _finish_if(work: Waitable | None) -> None:
+    """A synchronous call's handle, if the implementation returned one anyway: wait it."""
+    if work is not None:
+        work.wait()
+
+
+class ProcessGroupAllocator:
+    """Buffers from the process group's own allocator (NCCL), else ``torch.empty`` (gloo).
+
+    Example:
+        >>> alloc = ProcessGroupAllocator(group)  # doctest: +SKIP
+        >>> alloc.allocate((1024,), dtype=torch.float32, device=device)  # doctest: +SKIP
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        numel = math.prod(size)
+        out = backend_allocate(self.group, numel, dtype, device)
+        return torch.empty(numel, dtype=dtype, device=device) if out is None else out
+
+
+def allocate_buffer(
+    allocator: Any, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A flat ``(numel,)`` communication buffer from ``allocator.allocate`` or ``torch.empty``."""
+    if allocator is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    out: torch.Tensor = allocator.allocate((numel,), dtype=dtype, device=device)
+    if out.numel() != numel or out.dtype != dtype:
+        raise FullyShardValueError(
+            f"{type(allocator).__name__}.allocate(({numel},), dtype={dtype}) returned a tensor "
+            f"of shape {tuple(out.shape)} and dtype {out.dtype}; it must return that size and "
+            "dtype"
+        )
+    return out.view(-1)

@@ -21,20 +21,30 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._compat import version
 from .collectives import (
     Comm,
     GatherInput,
+    ProcessGroupAllocator,
+    ReducePlan,
+    Reduction,
+    UserAllGather,
+    UserReduceScatter,
     Waitable,
+    allocate_buffer,
     copy_in,
     copy_out,
-    pack_for_reduce_scatter,
+    divide_,
+    pack_grad,
+    plan_reduction,
     split_sizes,
     wire_dtype,
 )
@@ -79,6 +89,26 @@ class GroupConfig:
             group of n consecutive shard ranks (``fully_shard(..., reshard_after_forward=n)``):
             each rank keeps 1/n of the padded parameters, and backward all-gathers within the
             n ranks. ``None``: reshard to the whole shard world.
+        requires_all_reduce: HSDP: all-reduce the reduce-scattered gradients over the
+            replicate dim. ``False`` keeps them (summed over backward passes) in the group
+            until a backward with it on; the sharded ``.grad`` is not touched meanwhile.
+        all_reduce_hook: called with the reduced gradient buffer ``(total,)`` (reduce dtype)
+            after the reduce-scatter (1-D) or the HSDP all-reduce, before the last division.
+        gradient_divide_factor: divide the summed gradients by this instead of the
+            data-parallel size.
+        force_sum_reduction_for_comms: collectives only ever sum; divisions run separately.
+        unshard_in_backward: all-gather for backward (``False``: the parameters are not
+            needed there, e.g. an embedding's).
+        all_gather_comm, reduce_scatter_comm: a user's ``AllGather`` / ``ReduceScatter``.
+        reduce_scatter_unused_params: reduce zeros for a trainable parameter that got no
+            gradient in this backward, so that every rank sends the same layout.
+        reduce_scatter_max_input_buffers: reduce-scatter inputs that may be in flight
+            (CUDA overlap dial; recorded).
+        reduce_scatter_group: a separate process group for the reduce-scatters, or ``None``
+            for the shard group.
+        allocate_from_process_group: take communication buffers from the process group's
+            own allocator where the backend has one.
+        symm_mem_backend: ``"NCCL"`` once ``set_symm_mem_for_comm`` was called (recorded).
     """
 
     reshard_after_forward: bool | None = None
@@ -87,6 +117,18 @@ class GroupConfig:
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
     post_forward: SubgroupInfo | None = None
+    requires_all_reduce: bool = True
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    gradient_divide_factor: float | None = None
+    force_sum_reduction_for_comms: bool = False
+    unshard_in_backward: bool = True
+    all_gather_comm: Any = None  # AllGather (ours or torch's: duck-typed)
+    reduce_scatter_comm: Any = None  # ReduceScatter
+    reduce_scatter_unused_params: bool = False
+    reduce_scatter_max_input_buffers: int = 1
+    reduce_scatter_group: dist.ProcessGroup | None = None
+    allocate_from_process_group: bool = False
+    symm_mem_backend: str | None = None
 
 
 @dataclass
@@ -103,10 +145,25 @@ class _PendingGather:
 @dataclass
 class _PendingReduce:
     work: Waitable | None
-    output: torch.Tensor  # (total,) this rank's summed chunk, in the reduce dtype
+    output: torch.Tensor  # (total,) this rank's reduced chunk, in the reduce dtype
     input: torch.Tensor  # (W * total,) kept alive until the collective is done
     params: list[ShardedParam]
     offsets: list[int]
+
+
+@dataclass
+class _PartialReduce:
+    """HSDP with ``requires_all_reduce`` off: reduce-scattered, not yet all-reduced, summed."""
+
+    output: torch.Tensor  # (total,) in the reduce dtype, before the last division
+    params: list[ShardedParam]
+    offsets: list[int]
+
+    def slice_of(self, p: ShardedParam) -> torch.Tensor | None:
+        for q, off in zip(self.params, self.offsets, strict=True):
+            if q is p:
+                return self.output[off : off + p.padded_numel]
+        return None
 
 
 class ParamGroup:
@@ -134,6 +191,8 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
         self._pending_reduce: _PendingReduce | None = None
+        # Kept across backward passes (like gradients with sync off), not per iteration.
+        self._partial_reduce: _PartialReduce | None = None
         self._initialized = False
         # (id, version) of each sharded parameter when the gathered copy (and so any
         # post-forward piece cut from it) was taken.
@@ -225,13 +284,16 @@ class ParamGroup:
         total = sum(sizes)
         # In place: this rank's input is its own slice of the output, so no separate input
         # buffer exists.
-        output = torch.empty(total * world, dtype=wire, device=self.info.device)
+        output = allocate_buffer(
+            self._allocator(self.config.all_gather_comm), total * world, wire, self.info.device
+        )
         flat_in = output.narrow(0, rank * total, total)
         copy_in(flat_in, flat_inputs)
+        comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
         work = issue_observed(
             self,
             CollectiveCall("all_gather", flat_in, group),
-            lambda: self.comm.all_gather(output, flat_in, group, async_op),
+            lambda: comm.all_gather(output, flat_in, group, async_op),
         )
         self._gather = _PendingGather(work, output, world, inputs, sizes)
 
@@ -329,8 +391,25 @@ class ParamGroup:
 
     # -- gradients --------------------------------------------------------------------------
 
+    def _allocator(self, user_comm: Any) -> Any:
+        """Who allocates communication buffers: the user's comm, the process group, torch."""
+        if user_comm is not None:
+            return user_comm
+        if self.config.allocate_from_process_group:
+            return ProcessGroupAllocator(self.info.shard_group)
+        return None
+
+    @property
+    def _user_all_gather(self) -> UserAllGather:
+        return UserAllGather(self.config.all_gather_comm)
+
     def reduce_grads(self) -> None:
-        """Issue the reduce-scatter of this backward's gradients, or keep them if sync is off."""
+        """Issue the reduce-scatter of this backward's gradients, or keep them if sync is off.
+
+        Packed: every trainable parameter with a gradient (and, with
+        ``reduce_scatter_unused_params``, every trainable one: zeros where none came; with
+        a partial HSDP sum pending, the parameters in it), in group order.
+        """
         trainable = [p for p in self.params if p.sharded_param.requires_grad]
         mp = self.config.mp_policy
         if not self.config.requires_gradient_sync:
@@ -338,29 +417,61 @@ class ParamGroup:
                 p.keep_unsharded_grad(mp.reduce_dtype_for(p.orig_dtype))
             return
         self.finish_reduce()  # a reduction still in flight from an earlier backward
+        partial = self._partial_reduce
         grads = [(p, p.take_unsharded_grad()) for p in trainable]
-        with_grad = [(p, g) for p, g in grads if g is not None]
-        if not with_grad:
+        packed = [
+            (p, g)
+            for p, g in grads
+            if g is not None
+            or self.config.reduce_scatter_unused_params
+            or (partial is not None and partial.slice_of(p) is not None)
+        ]
+        if not packed:
             return
-        reduce_dtype = mp.reduce_dtype_for(with_grad[0][0].orig_dtype)
+        reduce_dtype = mp.reduce_dtype_for(packed[0][0].orig_dtype)
         world = self.info.shard_size
-        views = [p.reduce_scatter_view(g, reduce_dtype) for p, g in with_grad]
-        flat_in = pack_for_reduce_scatter(views, world)  # (W * total,)
-        numels = [p.padded_numel for p, _ in with_grad]
-        output = torch.empty(sum(numels), dtype=reduce_dtype, device=flat_in.device)
+        numels = [p.padded_numel for p, _ in packed]
         offsets = [sum(numels[:i]) for i in range(len(numels))]
-        group = self.info.shard_group
+        total = sum(numels)
+        allocator = self._allocator(self.config.reduce_scatter_comm)
+        device = self.info.device
+        flat_in = allocate_buffer(allocator, world * total, reduce_dtype, device)  # (W * total,)
+        columns = flat_in.view(world, total)
+        with torch.no_grad():
+            for (p, g), off, n in zip(packed, offsets, numels, strict=True):
+                pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
+        params = [p for p, _ in packed]
+        del grads, packed  # the unsharded gradients are in the buffer now: free them
+        output = allocate_buffer(allocator, total, reduce_dtype, device)
+        group = self.config.reduce_scatter_group or self.info.shard_group
+        rs = self._reduce_plan(reduce_dtype).reduce_scatter
+        comm = self.comm
+        if self.config.reduce_scatter_comm is not None:
+            comm = UserReduceScatter(self.config.reduce_scatter_comm)  # type: ignore[assignment]  # only reduce_scatter is called
         work = issue_observed(
             self,
             CollectiveCall("reduce_scatter", flat_in, group),
-            lambda: self.comm.reduce_scatter(output, flat_in, group, async_op=True),
+            lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
         )
-        self._pending_reduce = _PendingReduce(
-            work, output, flat_in, [p for p, _ in with_grad], offsets
+        self._pending_reduce = _PendingReduce(work, output, flat_in, params, offsets)
+
+    def _reduce_plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
+        return plan_reduction(
+            reduce_dtype,
+            self.info.shard_size,
+            self.info.replicate_size,
+            factor=self.config.gradient_divide_factor,
+            force_sum=self.config.force_sum_reduction_for_comms,
+            device_type=self.info.device.type,
         )
 
     def finish_reduce(self) -> None:
-        """Wait for the in-flight reduce-scatter and add the results into the sharded grads."""
+        """Wait for the in-flight reduce-scatter, all-reduce (HSDP), add into the sharded grads.
+
+        The order of torch's FSDP2: reduce-scatter; for HSDP either keep the result as a
+        partial sum (``requires_all_reduce`` off) or add the earlier partial sums and
+        all-reduce; the user's all-reduce hook; the last division; the sharded ``.grad``.
+        """
         pending = self._pending_reduce
         if pending is None:
             return
@@ -368,15 +479,31 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         output = pending.output
+        plan = self._reduce_plan(output.dtype)
         replicate_group = self.info.replicate_group
         if replicate_group is not None:
+            partial = self._partial_reduce
+            with torch.no_grad():
+                if partial is not None:
+                    for p, off in zip(pending.params, pending.offsets, strict=True):
+                        earlier = partial.slice_of(p)
+                        if earlier is not None:
+                            output[off : off + p.padded_numel].add_(earlier)
+            if not self.config.requires_all_reduce:
+                self._partial_reduce = _PartialReduce(output, pending.params, pending.offsets)
+                return
+            self._partial_reduce = None
             rg = replicate_group
+            ar: Reduction = plan.all_reduce
             issue_observed(
                 self,
                 CollectiveCall("all_reduce", output, rg),
-                lambda: self.comm.all_reduce(output, rg, async_op=False),
+                lambda: self.comm.all_reduce(output, rg, ar, async_op=False),
             )
-        output.div_(self.info.dp_size)  # SUM over all data-parallel ranks -> mean, like DDP
+        hook = self.config.all_reduce_hook
+        if hook is not None:
+            hook(output)
+        divide_(output, plan.post_divide)
         with torch.no_grad():
             for p, off in zip(pending.params, pending.offsets, strict=True):
                 p.accumulate_sharded_grad(p.local_grad_from(output[off : off + p.padded_numel]))

@@ -306,8 +306,9 @@ class FSDPState:
                 "reset_iter_state() on the root module before the next forward"
             )
         if ctx.it.in_backward:  # recomputation under activation checkpointing
-            self.group.unshard(async_op=False)
-            self.group.wait_for_unshard()
+            if self.group.config.unshard_in_backward:  # as torch: off skips this gather too
+                self.group.unshard(async_op=False)
+                self.group.wait_for_unshard()
             return args, kwargs
         it = self.it
         if self.is_root and it.forward_depth == 0:
@@ -437,8 +438,9 @@ class FSDPState:
                 self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
                 self.it.prefetched = False
                 self.group.begin("backward")
-                self.group.unshard(async_op=False)
-                self.group.wait_for_unshard()
+                if self.group.config.unshard_in_backward:
+                    self.group.unshard(async_op=False)
+                    self.group.wait_for_unshard()
                 self._prefetch(self._backward_targets(), backward=True)
 
     # -- prefetch ------------------------------------------------------------------------------
@@ -463,7 +465,7 @@ class FSDPState:
             # started its backward.
             if target.phase is not Phase.IDLE:
                 continue
-            if backward and not target.it.ran_forward:
+            if backward and not (target.it.ran_forward and target.group.config.unshard_in_backward):
                 continue
             ctx = target.root
             if not backward and ctx is not None and target._forward_iter == ctx.forward_iter:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .collectives import Comm
+from .collectives import Comm, is_comm_protocol
 from .errors import (
+    FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -136,7 +140,36 @@ class FSDPModule(nn.Module):
                 "groups had already decided whether to reduce; call it before the forward "
                 "(or between backward passes)"
             )
-        self._update_config(recurse, requires_gradient_sync=flag)
+        # As in torch: for HSDP this turns the all-reduce on or off together with it.
+        self._update_config(recurse, requires_gradient_sync=flag, requires_all_reduce=flag)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: all-reduce gradients over the replicate dim (True) or only reduce-scatter them.
+
+        With False, each backward still reduce-scatters within the shard group but keeps the
+        result, summed over backward passes, in the group (one ``(total,)`` buffer per group
+        in the reduce dtype); the sharded ``.grad`` is not touched. The next backward with
+        True adds that sum in and all-reduces once: gradient accumulation that pays the
+        (slow, cross-node) all-reduce once per step. No effect on a 1-D mesh.
+        ``set_requires_gradient_sync`` sets this flag too.
+
+        Example:
+            >>> for i, (x, y) in enumerate(micro_batches):  # doctest: +SKIP
+            ...     model.set_requires_all_reduce(i == len(micro_batches) - 1)
+            ...     loss_fn(model(x), y).backward()
+        """
+        flag = _check_bool("requires_all_reduce", requires_all_reduce)
+        _check_bool("recurse", recurse)
+        self._check_not_in_backward(f"set_requires_all_reduce({flag})")
+        self._update_config(recurse, requires_all_reduce=flag)
+
+    def _check_not_in_backward(self, call: str) -> None:
+        root = self._fsdp_state.root
+        if root is not None and root.in_backward:
+            raise FullyShardStateError(
+                f"{call} was called during backward, after some groups had already reduced; "
+                "call it before the forward (or between backward passes)"
+            )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free parameters after forward (True) or keep them until after backward (False).
@@ -238,6 +271,333 @@ class FSDPModule(nn.Module):
             states.append(m._fsdp_state)
         return states
 
+    # -- reductions ---------------------------------------------------------------------------
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
+    ) -> None:
+        """Call ``hook(reduce_output)`` on this group's reduced gradients, every backward.
+
+        ``reduce_output`` is the group's flat ``(total,)`` gradient buffer in the reduce
+        dtype: this rank's reduce-scattered chunk of every packed parameter (padded), after
+        the HSDP all-reduce if there is one, and before the last division when the division
+        is not part of the collectives (fp16, ``set_force_sum_reduction_for_comms``). Edit
+        it in place, e.g. a custom all-reduce over your own replicate group with 1-D FSDP.
+        Not called in a backward that keeps an HSDP partial sum
+        (``set_requires_all_reduce(False)``).
+
+        ``stream`` (CUDA, 1-D meshes only, as in torch): accepted and checked; the hook runs
+        on the current stream, which is where all our collectives run, so its ordering with
+        the reduction is the same.
+
+        Example:
+            >>> def all_reduce_over_replicas(t):  # doctest: +SKIP
+            ...     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=replica_group)
+            >>> model.set_all_reduce_hook(all_reduce_over_replicas)  # doctest: +SKIP
+        """
+        if not callable(hook):
+            raise FullyShardTypeError(
+                f"set_all_reduce_hook needs a callable hook(reduce_output) -> None, got "
+                f"{type(hook).__name__}"
+            )
+        given: object = stream  # checked as given: a caller may pass anything
+        if given is not None:
+            if not (
+                isinstance(given, torch.Stream) or callable(getattr(given, "wait_stream", None))
+            ):
+                raise FullyShardTypeError(
+                    f"set_all_reduce_hook(stream=...) must be a torch.Stream (e.g. "
+                    f"torch.cuda.Stream()) or None, got {type(stream).__name__}"
+                )
+            if self._fsdp_state.group.info.replicate_group is not None:
+                raise FullyShardValueError(
+                    "set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D "
+                    "mesh): the hook runs after the HSDP all-reduce; pass stream=None"
+                )
+        self._update_config(False, all_reduce_hook=hook)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this group's summed gradients by ``factor`` instead of the data-parallel size.
+
+        ``factor=1`` gives the plain sum over ranks; the default is the mean (shard size x
+        replicate size). With fp32/bf16 the division is part of the reduce-scatter (NCCL's
+        ``PREMUL_SUM``; ``AVG`` when ``factor`` is the shard size; on gloo, which has
+        neither, a sum followed by one division of this rank's chunk); fp16 splits it before
+        and after the sum. This module's group only, as in torch.
+
+        Example:
+            >>> model.set_gradient_divide_factor(1.0)  # sum over ranks  # doctest: +SKIP
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise FullyShardTypeError(
+                f"set_gradient_divide_factor needs a number, got {factor!r} "
+                f"({type(factor).__name__})"
+            )
+        if not math.isfinite(factor) or factor <= 0:
+            raise FullyShardValueError(
+                f"set_gradient_divide_factor({factor}) must be a finite number > 0 (1.0 sums the "
+                "gradients, the data-parallel size averages them)"
+            )
+        self._update_config(False, gradient_divide_factor=float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated (as in torch): use :meth:`set_gradient_divide_factor`.
+
+        Example:
+            >>> model.set_gradient_divide_factor(2.0)  # doctest: +SKIP
+        """
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Let the collectives only ever sum; divisions run as separate steps around them.
+
+        NCCL's zero-copy collectives need ``SUM``. The default fp32/bf16 path averages inside
+        the collective instead; with this on, the sum is divided once afterwards (fp16:
+        partly before). The numbers then match torch's FSDP2 with the same setting bit for
+        bit. A custom all-reduce hook must follow the same rule itself. This group only.
+
+        Example:
+            >>> model.set_force_sum_reduction_for_comms(True)  # doctest: +SKIP
+        """
+        flag = _check_bool("set_force_sum_reduction_for_comms(enable)", enable)
+        self._update_config(False, force_sum_reduction_for_comms=flag)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for a trainable parameter that got no gradient in a backward.
+
+        Needed when ranks use different parameters (conditional control flow: mixture of
+        experts, multi-modal branches): by default, as in torch, a group packs only the
+        parameters that have a gradient, so two ranks would send reduce-scatters of
+        different layouts and hang or mix up gradients. With True every rank packs every
+        trainable parameter of the group (zeros where it got none), and each parameter's
+        gradient is the average over all ranks, zeros included (like DDP's
+        ``find_unused_parameters``); a parameter no rank used then gets a zero gradient
+        instead of ``None``.
+
+        Example:
+            >>> model.set_reduce_scatter_unused_params(True)  # doctest: +SKIP
+        """
+        flag = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        _check_bool("recurse", recurse)
+        self._update_config(recurse, reduce_scatter_unused_params=flag)
+
+    # -- communication resources (CUDA/NCCL tuning; validated and recorded on CPU) ----------
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatter input buffers may be in flight (torch: a CUDA overlap dial).
+
+        torch's FSDP2 keeps one by default; more lets the next group's gradient copy-in skip
+        waiting for the previous reduce-scatter at the cost of memory. We have no separate
+        streams: at most one group's reduce-scatter is in flight (the next group's
+        post-backward finishes it), whatever the value. Validated and recorded; numbers
+        never depend on it.
+
+        Example:
+            >>> model.set_reduce_scatter_max_input_buffers(2)  # doctest: +SKIP
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise FullyShardTypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise FullyShardValueError(
+                f"max_input_buffers must be a positive int (1 is the default), got "
+                f"{max_input_buffers}"
+            )
+        _check_bool("recurse", recurse)
+        modules = list(self._fsdp_modules(recurse))
+        if max_input_buffers > 1:
+            for module in modules:
+                if module._fsdp_state.group.config.symm_mem_backend is not None:
+                    raise FullyShardValueError(
+                        f"set_reduce_scatter_max_input_buffers({max_input_buffers}) with "
+                        "symmetric memory (set_symm_mem_for_comm): the symmetric pool reuses "
+                        "one buffer; keep max_input_buffers=1"
+                    )
+        for module in modules:
+            group = module._fsdp_state.group
+            group.config = dataclasses.replace(
+                group.config, reduce_scatter_max_input_buffers=max_input_buffers
+            )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run gradient reduce-scatters on their own process group (True) or the shard group.
+
+        On NCCL a second communicator lets a reduce-scatter progress while an all-gather runs.
+        One group is created per distinct set of shard ranks (``dist.new_group(ranks,
+        use_local_synchronization=True)``, so it is collective over those ranks: call it on
+        every rank), reused by later calls; ``False`` goes back to the shard group. On gloo
+        it works the same way; the numbers do not change.
+
+        Example:
+            >>> model.set_separate_reduce_scatter_group(True)  # doctest: +SKIP
+        """
+        flag = _check_bool("set_separate_reduce_scatter_group(enable)", enable)
+        _check_bool("recurse", recurse)
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for module in self._fsdp_modules(recurse):
+            group = module._fsdp_state.group
+            rs_group = None
+            if flag:
+                ranks = tuple(dist.get_process_group_ranks(group.info.shard_group))
+                if ranks not in created:
+                    existing = group.config.reduce_scatter_group
+                    created[ranks] = existing or dist.new_group(
+                        list(ranks), use_local_synchronization=True
+                    )
+                rs_group = created[ranks]
+            group.config = dataclasses.replace(group.config, reduce_scatter_group=rs_group)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Take the communication buffers from the process group's own allocator.
+
+        NCCL can then use zero-copy transfers (SHARP over NVLink/InfiniBand). A backend
+        without an allocator (gloo) gives ordinary ``torch.empty`` buffers: accepted, no
+        change. Not combinable with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
+        (those say how to allocate). This group only.
+
+        Example:
+            >>> model.set_allocate_memory_from_process_group_for_comm(True)  # doctest: +SKIP
+        """
+        flag = _check_bool("set_allocate_memory_from_process_group_for_comm(enable)", enable)
+        self._check_no_custom_comm("set_allocate_memory_from_process_group_for_comm")
+        self._update_config(False, allocate_from_process_group=flag)
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Symmetric-memory buffers for NCCL's optimised all-gathers (NCCL process groups only).
+
+        Raises on any other backend (gloo on CPU): symmetric memory is an NCCL feature. On
+        NCCL the choice is validated and recorded; our buffers still come from the regular
+        allocator (numbers are identical: it is a transport optimisation we do not
+        implement yet). This group only.
+
+        Example:
+            >>> model.set_symm_mem_for_comm("NCCL")  # doctest: +SKIP  (NCCL only)
+        """
+        if backend != "NCCL":
+            raise FullyShardValueError(
+                f"set_symm_mem_for_comm(backend={backend!r}): only 'NCCL' is supported"
+            )
+        self._check_no_custom_comm("set_symm_mem_for_comm")
+        group = self._fsdp_state.group
+        pg_backend = str(dist.get_backend(group.info.shard_group)).lower()
+        if pg_backend != "nccl":
+            raise FullyShardNotImplementedError(
+                f"set_symm_mem_for_comm needs an NCCL process group; this module's shard group "
+                f"runs on {pg_backend!r}. Symmetric memory is a CUDA/NCCL transport feature: "
+                "leave it off on CPU (gloo)"
+            )
+        if group.config.reduce_scatter_max_input_buffers > 1:
+            raise FullyShardValueError(
+                "set_symm_mem_for_comm with set_reduce_scatter_max_input_buffers(>1): the "
+                "symmetric pool reuses one buffer; set max_input_buffers back to 1 first"
+            )
+        self._update_config(False, symm_mem_backend=backend)
+
+    def _check_no_custom_comm(self, call: str) -> None:
+        config = self._fsdp_state.group.config
+        for name, comm in (
+            ("set_custom_all_gather", config.all_gather_comm),
+            ("set_custom_reduce_scatter", config.reduce_scatter_comm),
+        ):
+            if comm is not None:
+                raise FullyShardValueError(
+                    f"{call} cannot be combined with {name} ({type(comm).__name__}), which "
+                    "already decides how buffers are allocated"
+                )
+
+    def set_custom_all_gather(self, comm: AllGatherLike) -> None:
+        """Issue this group's all-gathers through ``comm`` (an :class:`~fully_shard.AllGather`).
+
+        ``comm.allocate((W * total,), dtype=..., device=...)`` makes the all-gather output
+        (this rank's input is its own slice of it) and ``comm(output_tensor=...,
+        input_tensor=..., group=..., async_op=...)`` issues it. torch's own ``AllGather``
+        subclasses work too. The call still goes through the group's observers, so
+        ``fully_shard.trace`` and ``torch.profiler`` labels see it. This group only.
+
+        Example:
+            >>> model.set_custom_all_gather(MyAllGather())  # doctest: +SKIP
+        """
+        _check_comm("set_custom_all_gather", comm, "AllGather")
+        self._update_config(False, all_gather_comm=comm)
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterLike) -> None:
+        """Issue this group's gradient reduce-scatters through ``comm`` (a ``ReduceScatter``).
+
+        ``comm.allocate`` makes the ``(W * total,)`` input and ``(total,)`` output buffers;
+        ``comm(output_tensor=..., input_tensor=..., group=..., op=...)`` is called
+        synchronously with the op torch's FSDP2 would pass (``AVG`` for fp32/bf16 by default;
+        ``PREMUL_SUM`` for a custom divide factor, which gloo cannot run: combine with
+        ``set_force_sum_reduction_for_comms(True)`` there). Divisions outside the op are done
+        around the call. This group only.
+
+        Example:
+            >>> model.set_custom_reduce_scatter(MyReduceScatter())  # doctest: +SKIP
+        """
+        _check_comm("set_custom_reduce_scatter", comm, "ReduceScatter")
+        self._update_config(False, reduce_scatter_comm=comm)
+
+    # -- backward and optimizer ---------------------------------------------------------------
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this group's parameters (default True).
+
+        False saves one all-gather per backward for a group whose parameters no gradient
+        computation reads, e.g. an embedding (its weight gradient needs only the indices).
+        Gradients are still reduce-scattered. The gathers of activation-checkpoint
+        recomputation are skipped too (as in torch), so do not combine it with checkpointing
+        the group. If backward does read the parameters (a ``Linear``'s weight for the
+        input gradient), autograd finds the freed storage and raises a ``RuntimeError``
+        (with ``reshard_after_forward=False`` the parameters are still gathered and it
+        works). This group only.
+
+        Example:
+            >>> model.tok_embeddings.set_unshard_in_backward(False)  # doctest: +SKIP
+        """
+        flag = _check_bool("unshard_in_backward", unshard_in_backward)
+        self._update_config(False, unshard_in_backward=flag)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The event recorded after the optimizer step, for the next all-gathers to wait on.
+
+        torch's FSDP2 all-gathers on side streams, which normally wait for the whole current
+        stream; with an event they wait only for the optimizer step. Our collectives run on
+        the current stream: here the current stream waits for ``event`` now (a stream wait,
+        not a host wait), so the next all-gathers are ordered after the step even if it ran
+        on another stream. A CPU event needs nothing: CPU work is done when it returns.
+        Call it with a new event each iteration, as in torch.
+
+        Example:
+            >>> optim.step()  # doctest: +SKIP
+            >>> event = torch.cuda.current_stream().record_event()  # doctest: +SKIP
+            >>> model.set_post_optim_event(event)  # doctest: +SKIP
+        """
+        given: object = event  # checked as given: a caller may pass anything
+        cpu_event = getattr(torch.cpu, "Event", None)
+        is_event = isinstance(given, torch.Event) or (
+            cpu_event is not None and isinstance(event, cpu_event)
+        )
+        if not is_event and not (
+            callable(getattr(given, "wait", None)) and callable(getattr(given, "record", None))
+        ):
+            raise FullyShardTypeError(
+                f"set_post_optim_event needs a torch.Event (e.g. "
+                f"torch.cuda.current_stream().record_event()), got {type(event).__name__}"
+            )
+        device = getattr(event, "device", None)
+        on_cpu = (cpu_event is not None and isinstance(event, cpu_event)) or (
+            isinstance(device, torch.device) and device.type == "cpu"
+        )
+        if not on_cpu:
+            event.wait()
+
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: reshard all, drop partial grads.
 
@@ -281,6 +641,45 @@ class FSDPModule(nn.Module):
         for p in self._fsdp_state.group.params:
             p.sync_with_module()
         return out
+
+
+AllGatherLike = Any
+"""An :class:`~fully_shard.AllGather`, ours or torch's (checked by duck typing)."""
+ReduceScatterLike = Any
+"""A :class:`~fully_shard.ReduceScatter`, ours or torch's (checked by duck typing)."""
+
+
+def _check_comm(call: str, comm: object, kind: str) -> None:
+    if not is_comm_protocol(comm):
+        raise FullyShardTypeError(
+            f"{call} needs a fully_shard.{kind} (or torch's): an object with "
+            f"allocate(size, *, dtype, device) and __call__; {type(comm).__name__} has "
+            f"{'no allocate' if not callable(getattr(comm, 'allocate', None)) else 'no __call__'}"
+        )
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots share one communication context (torch: CUDA streams, e.g. for PP).
+
+    In torch's FSDP2 each root owns all-gather / reduce-scatter streams; sharing them
+    between pipeline stages avoids memory fragmentation between streams. Our collectives
+    run on the current stream, which every root already shares, so after checking that
+    every item is a module ``fully_shard`` was applied to there is nothing to change.
+
+    Example:
+        >>> from fully_shard import share_comm_ctx
+        >>> share_comm_ctx([stage0, stage1])  # doctest: +SKIP
+    """
+    if not isinstance(modules, (list, tuple)):
+        raise FullyShardTypeError(
+            f"share_comm_ctx expects a list of FSDPModules, got {type(modules).__name__}"
+        )
+    for i, module in enumerate(modules):
+        if not isinstance(module, FSDPModule):
+            raise FullyShardValueError(
+                f"share_comm_ctx expects a list of FSDPModules but item {i} is a "
+                f"{type(module).__name__}; pass modules fully_shard was applied to"
+            )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

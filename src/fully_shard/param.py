@@ -480,18 +480,6 @@ class ShardedParam:
         grad = self.take_unsharded_grad()
         self.unsharded_accumulated_grad = None if grad is None else grad.to(dtype)
 
-    def reduce_scatter_view(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``grad`` (full shape) as ``(W, padded_numel)`` in ``dtype``: rank r's chunk in row r."""
-        layout = self.layout
-        d, n = self.shard_dim, self.orig_size[self.shard_dim]
-        if n == layout.chunk * layout.world and d == 0:
-            return grad.to(dtype).reshape(layout.world, -1)
-        padded = torch.zeros(layout.padded_full_size, dtype=dtype, device=grad.device)
-        padded.narrow(d, 0, n).copy_(grad)
-        if d == 0:
-            return padded.view(layout.world, -1)
-        return layout.ranked(padded).reshape(layout.world, -1)
-
     def local_grad_from(self, reduced: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the gradient out of its reduce-scatter slice ``(padded_numel,)``."""
         layout = self.layout

@@ -157,3 +157,61 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     def use_pinned_memory(self) -> bool:
         return self.pin_memory
+
+
+def _mesh_dim_names(field_name: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, tuple) and value and all(isinstance(v, str) for v in value):
+        return value
+    raise FullyShardTypeError(
+        f"DataParallelMeshDims.{field_name} must be a mesh dim name, a non-empty tuple of "
+        f"names or None, got {value!r}; e.g. DataParallelMeshDims(shard='dp')"
+    )
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel (torch 2.13's fields).
+
+    For parameters that are already DTensors on a mesh holding every parallelism:
+    ``shard`` names the dim(s) FSDP shards over, ``replicate`` the dim(s) it replicates
+    over (HSDP / DDP); a tuple of names is flattened into one dim. At least one must be
+    set. ``fully_shard(..., dp_mesh_dims=...)`` does not accept it yet (it raises
+    ``FullyShardNotImplementedError``); the class exists so code written for torch
+    imports and builds its arguments unchanged. Not frozen, like torch's.
+
+    Attributes:
+        shard: mesh dim name(s) to shard parameters over, or ``None``.
+        replicate: mesh dim name(s) to replicate parameters over, or ``None``.
+
+    Example:
+        >>> from fully_shard import DataParallelMeshDims
+        >>> dims = DataParallelMeshDims(shard="dp_shard", replicate=("pp", "dp_rep"))
+        >>> dims.shard_names, dims.replicate_names
+        (('dp_shard',), ('pp', 'dp_rep'))
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _mesh_dim_names("shard", self.shard)
+        _mesh_dim_names("replicate", self.replicate)
+        if self.shard is None and self.replicate is None:
+            raise FullyShardValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims, "
+                "e.g. DataParallelMeshDims(shard='dp')"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """``shard`` as a tuple of names (empty if ``None``)."""
+        return _mesh_dim_names("shard", self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """``replicate`` as a tuple of names (empty if ``None``)."""
+        return _mesh_dim_names("replicate", self.replicate)
