@@ -11,6 +11,7 @@ from . import debug, trace
 from .api import fully_shard
 from .collectives import Comm, CommRecord, CountingComm, TorchComm
 from .errors import (
+    FullyShardCopyError,
     FullyShardDesyncError,
     FullyShardError,
     FullyShardNotImplementedError,
@@ -29,6 +30,7 @@ __all__ = [
     "CommRecord",
     "CountingComm",
     "FSDPModule",
+    "FullyShardCopyError",
     "FullyShardDesyncError",
     "FullyShardError",
     "FullyShardNotImplementedError",
