@@ -11,6 +11,7 @@ from . import debug, trace
 from .api import fully_shard
 from .collectives import AllGather, Comm, CommRecord, CountingComm, ReduceScatter, TorchComm
 from .errors import (
+    FullyShardCopyError,
     FullyShardDesyncError,
     FullyShardError,
     FullyShardNotImplementedError,
@@ -36,6 +37,7 @@ __all__ = [
     "CountingComm",
     "DataParallelMeshDims",
     "FSDPModule",
+    "FullyShardCopyError",
     "FullyShardDesyncError",
     "FullyShardError",
     "FullyShardNotImplementedError",

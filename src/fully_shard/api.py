@@ -59,7 +59,10 @@ class _ParamPlan:
 def _fsdp_class(cls: type) -> type:
     # One FSDP subclass per original class (cached, so repeated calls share it), with the
     # original as a base so isinstance(m, cls) still holds.
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    # _fsdp_original_class: what FSDPModule.__new__ builds when a container (Sequential
+    # slicing) constructs a new instance of the swapped class.
+    namespace = {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
 
 
 @overload
@@ -206,6 +209,7 @@ def fully_shard(
     group = ParamGroup(params, modules, info, config, TorchComm())
     state = FSDPState(group, modules, {id(plan.param): weakref.ref(plan.param) for plan in plans})
     state.install()
+    _install_state_dict_hooks(state)
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
         # type objects are hashable; torch's stubs declare Module.__hash__ oddly for mypy
@@ -227,6 +231,32 @@ def _check_dp_mesh_dims(dp_mesh_dims: object) -> None:
         f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims or None, got "
         f"{type(dp_mesh_dims).__name__}"
     )
+
+
+def _install_state_dict_hooks(state: FSDPState) -> None:
+    """Show the sharded DTensors to ``state_dict()`` and ``load_state_dict()``.
+
+    After a forward that keeps the parameters gathered (the root, or ``unshard()``) the module
+    holds plain full tensors; a state dict of those would not be a sharded checkpoint, and
+    loading one would copy into storage the next reshard frees. As in torch, both reshard
+    first (outside backward, where the gathered parameters are still needed); the next
+    forward or backward gathers again.
+    """
+    group = state.group
+
+    def to_sharded(*args: object, **kwargs: object) -> None:
+        if state.root is None or not state.root.in_backward:
+            group.reshard()
+
+    modules = {id(m): m for p in group.params for m, _ in p.slots}
+    for m in modules.values():
+        # Both public since torch 2.5; torch's stubs leave them untyped.
+        m.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
+        m.register_load_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
+
+
+# Containers without a forward of their own (a subclass may add one).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _check_modules(module: object) -> tuple[nn.Module, ...]:
@@ -256,6 +286,15 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
             f"fully_shard expects an nn.Module or a list of nn.Modules, got {type(module).__name__}"
         )
     for m in modules:
+        if isinstance(m, _CONTAINERS) and type(m).forward is nn.Module.forward:
+            # Nothing calls a container's forward, so its hooks would never gather its
+            # parameters and its modules would meet sharded DTensors (torch refuses it too).
+            raise FullyShardValueError(
+                f"fully_shard got a {type(m).__name__}, a container whose forward is never "
+                "called, so its parameters would never be gathered; shard each of its modules "
+                f"instead (for block in model.layers: fully_shard(block)), or the module that "
+                f"holds the {type(m).__name__}"
+            )
         if isinstance(m, FSDPModule):
             raise FullyShardValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; each module can "

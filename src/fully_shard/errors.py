@@ -60,6 +60,22 @@ class FullyShardNotImplementedError(FullyShardError, NotImplementedError):
     """
 
 
+class FullyShardCopyError(FullyShardNotImplementedError, AssertionError):
+    """``copy.deepcopy`` of a sharded module, which is not supported.
+
+    Also an ``AssertionError``, the class torch's ``fully_shard`` raises for the same call, so
+    code written against torch's FSDP2 catches it unchanged.
+
+    Example:
+        >>> import copy
+        >>> from fully_shard import FullyShardCopyError
+        >>> try:  # doctest: +SKIP
+        ...     twin = copy.deepcopy(model)
+        ... except FullyShardCopyError:
+        ...     twin = build_model()  # then fully_shard(twin) and twin.load_state_dict(...)
+    """
+
+
 class FullyShardStateError(FullyShardError, RuntimeError):
     """A call that is not legal in the current state, e.g. ``reshard()`` during backward.
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from .collectives import Comm, is_comm_protocol
 from .errors import (
+    FullyShardCopyError,
     FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
@@ -65,6 +66,26 @@ class FSDPModule(nn.Module):
     """
 
     _fsdp_state: FSDPState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of type(self), e.g. Sequential slicing: they get a
+        # plain instance of the user's class, not an FSDP one with no state behind it.
+        original: type[nn.Module] | None = cls.__dict__.get("_fsdp_original_class")
+        if original is None:
+            return super().__new__(cls)
+        module = original.__new__(original, *args, **kwargs)
+        original.__init__(module, *args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FSDPModule:
+        # A copy would share the group's hooks, buffers and process groups with the original
+        # (or silently alias its shards); torch's fully_shard refuses it too.
+        raise FullyShardCopyError(
+            f"copy.deepcopy of a sharded module ({type(self).__name__}) is not supported: its "
+            "parameters are shards tied to this module's communication group. Deep-copy the "
+            "model before fully_shard, or build a new model, fully_shard it the same way and "
+            "load_state_dict(model.state_dict()) into it"
+        )
 
     def _fsdp_modules(self, recurse: bool) -> Iterator[FSDPModule]:
         if not recurse:

@@ -1,0 +1,210 @@
+"""Bad inputs given to torch's ``fully_shard`` and to ours: do we raise what torch raises?
+
+Each case of the catalogue runs on both (2 gloo ranks). Where torch raises a ``TypeError``,
+``ValueError``, ``NotImplementedError`` or ``RuntimeError`` on purpose, ours must be an
+instance of the same class (ours is also a ``FullyShardError`` with a message saying what to
+do). Every other outcome is listed below, and the test checks each is still what it says,
+so a change on either side shows up here.
+
+Torch accepts silently (ours raises before changing anything):
+  ``mp_policy`` a dict or a dtype, ``offload_policy`` a string, ``ignored_params`` holding a
+  parameter of another module, parameters of mixed dtypes, parameters on meta and CPU mixed.
+
+Torch fails by accident (an ``AttributeError``, ``IndexError``, ``AssertionError`` or a
+``RuntimeError`` from deep inside; ours raises its ``FullyShard*Error`` of the class that
+fits): ``mesh`` a string or a process group, a tensor as the module, an empty list, a list
+holding a non-module, ``shard_placement_fn`` returning ``Shard(5)`` on a 2-D weight,
+``ignored_params`` a tensor, ``fully_shard`` twice on one module.
+
+Torch raises another builtin on purpose (differences to settle):
+  ``reshard_after_forward="yes"`` and ``shard_placement_fn`` returning an int: torch
+  ``ValueError``, ours ``FullyShardTypeError`` (a ``TypeError``: the argument's type is wrong).
+
+Torch refuses, ours accepts: a non-contiguous parameter (``NotImplementedError`` in torch);
+ours trains it at parity (tests/test_containers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
+from torch.distributed.tensor import Shard
+
+from fully_shard import (
+    FullyShardError,
+    FullyShardTypeError,
+    FullyShardValueError,
+    fully_shard,
+)
+from harness import mesh_1d, run_distributed
+from parity import needs_torch_fsdp2_on_cpu
+
+pytestmark = needs_torch_fsdp2_on_cpu
+
+ShardFn = Callable[..., Any]
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+
+
+def _with(p: nn.Parameter) -> nn.Module:
+    model = _net()
+    model.extra = p
+    return model
+
+
+def _twice(fs: ShardFn) -> Any:
+    return fs(fs(_net(), mesh=mesh_1d()), mesh=mesh_1d())
+
+
+# name -> (call, the class torch raises or None, the class ours raises or None)
+CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
+    # torch raises on purpose: ours must be an instance of the same class
+    "reshard_after_forward=3 on 2 ranks": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), reshard_after_forward=3),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "reshard_after_forward=0": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), reshard_after_forward=0),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "a scalar parameter": (
+        lambda fs: fs(_with(nn.Parameter(torch.tensor(1.0))), mesh=mesh_1d()),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "a module class": (lambda fs: fs(nn.Linear, mesh=mesh_1d()), TypeError, FullyShardTypeError),
+    "a ModuleList": (
+        lambda fs: fs(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh_1d()),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "a ModuleDict": (
+        lambda fs: fs(nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh_1d()),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "shard_placement_fn not callable": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), shard_placement_fn=3),
+        TypeError,
+        FullyShardTypeError,
+    ),
+    # torch accepts silently
+    "mp_policy a dict": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), mp_policy={"param_dtype": torch.bfloat16}),
+        None,
+        FullyShardTypeError,
+    ),
+    "mp_policy a dtype": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), mp_policy=torch.bfloat16),
+        None,
+        FullyShardTypeError,
+    ),
+    "offload_policy a string": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), offload_policy="cpu"),
+        None,
+        FullyShardTypeError,
+    ),
+    "ignored_params of another module": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), ignored_params={nn.Parameter(torch.zeros(2))}),
+        None,
+        FullyShardValueError,
+    ),
+    "mixed dtypes": (
+        lambda fs: fs(_with(nn.Parameter(torch.zeros(3, dtype=torch.float64))), mesh=mesh_1d()),
+        None,
+        FullyShardValueError,
+    ),
+    "mixed devices (meta and cpu)": (
+        lambda fs: fs(_with(nn.Parameter(torch.zeros(3, device="meta"))), mesh=mesh_1d()),
+        None,
+        FullyShardValueError,
+    ),
+    # torch fails by accident
+    "mesh a string": (lambda fs: fs(_net(), mesh="dp"), AttributeError, FullyShardTypeError),
+    "mesh a process group": (
+        lambda fs: fs(_net(), mesh=dist.group.WORLD),
+        AttributeError,
+        FullyShardTypeError,
+    ),
+    "a tensor as the module": (
+        lambda fs: fs(torch.zeros(3), mesh=mesh_1d()),
+        AttributeError,
+        FullyShardTypeError,
+    ),
+    "an empty list": (lambda fs: fs([], mesh=mesh_1d()), IndexError, FullyShardValueError),
+    "a list holding a non-module": (
+        lambda fs: fs([nn.Linear(2, 2), 3], mesh=mesh_1d()),
+        AttributeError,
+        FullyShardTypeError,
+    ),
+    "shard_placement_fn returns Shard(5)": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(5)),
+        AssertionError,
+        FullyShardValueError,
+    ),
+    "ignored_params a tensor": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), ignored_params=torch.zeros(2)),
+        RuntimeError,
+        FullyShardTypeError,
+    ),
+    "fully_shard twice": (_twice, AssertionError, FullyShardValueError),
+    # torch raises another builtin on purpose
+    "reshard_after_forward a string": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), reshard_after_forward="yes"),
+        ValueError,
+        FullyShardTypeError,
+    ),
+    "shard_placement_fn returns an int": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), shard_placement_fn=lambda p: 0),
+        ValueError,
+        FullyShardTypeError,
+    ),
+    # torch refuses, ours accepts (and trains it at parity: tests/test_containers.py)
+    "a non-contiguous parameter": (
+        lambda fs: fs(_with(nn.Parameter(torch.zeros(3, 4).t())), mesh=mesh_1d()),
+        NotImplementedError,
+        None,
+    ),
+}
+
+# Torch raises these on purpose, and ours must be an instance of the class it raises.
+SAME_CLASS = set(list(CASES)[:7])
+
+
+def _raised(call: Callable[[ShardFn], Any], fs: ShardFn) -> BaseException | None:
+    try:
+        call(fs)
+    except Exception as e:
+        return e
+    return None
+
+
+def _run(name: str) -> None:
+    call, torch_class, our_class = CASES[name]
+    theirs, ours = _raised(call, torch_fully_shard), _raised(call, fully_shard)
+    if torch_class is None:
+        assert theirs is None, f"{name}: torch now raises {theirs!r}"
+    else:
+        assert isinstance(theirs, torch_class), f"{name}: torch raised {theirs!r}"
+    if our_class is None:
+        assert ours is None, f"{name}: ours raised {ours!r}"
+        return
+    assert isinstance(ours, our_class) and isinstance(ours, FullyShardError), repr(ours)
+    if name in SAME_CLASS:
+        assert isinstance(ours, type(theirs)), f"{name}: torch {theirs!r}, ours {ours!r}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_error_class_like_torchs(name: str) -> None:
+    run_distributed(_run, 2, name)
