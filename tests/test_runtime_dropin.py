@@ -300,3 +300,92 @@ def test_hooks_and_collectives_show_up_in_profiler_traces_like_torchs() -> None:
         if label in theirs:
             assert label in ours, f"{label} in torch's trace, not in ours: {sorted(ours)}"
         assert any(name.startswith(f"FSDP::{kind}") for name in ours), kind
+
+
+# -- unshard(async_op=True), then forward and backward with grad enabled -----------------------
+
+
+def _unshard_everything_async(step: int, model: nn.Module) -> None:
+    # Root and blocks, the handles dropped: each group's pre-forward waits for its gather.
+    if not hasattr(model, "unshard"):
+        return  # the unsharded reference
+    handles = [m.unshard(async_op=True) for m in model.modules() if hasattr(m, "unshard")]
+    if step == 1:
+        for handle in handles:  # waited on explicitly once, before the forward
+            handle.wait()
+
+
+def _unshard_async_then_train() -> None:
+    _side_by_side(LoRANet, steps=3, between=_unshard_everything_async)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_unshard_async_then_forward_and_backward_trains_like_torch(world: int) -> None:
+    run_distributed(_unshard_async_then_train, world)
+
+
+# -- register_post_accumulate_grad_hook on a sharded parameter (optimizer in backward) ---------
+
+
+def _optimizer_in_backward(
+    impl: str, accumulate: bool, data_world: int
+) -> tuple[list[Tensor], list[int]]:
+    """Per-parameter AdamW stepped from each parameter's post-accumulate-grad hook.
+
+    Returns the parameters after three steps and, per parameter, how many times its hook ran.
+    With ``accumulate``, each step is two micro-batches, the first with gradient sync off.
+    ``data_world``: the number of ranks the global batch is cut for (the reference runs alone).
+    """
+    torch.manual_seed(0)
+    model = LoRANet()
+    if impl != "ref":
+        _wrap(model, fully_shard if impl == "ours" else torch_fully_shard)
+    params = list(model.parameters())
+    optims = {p: torch.optim.AdamW([p], lr=1e-2) for p in params}
+    calls = {p: 0 for p in params}
+
+    def step_in_backward(p: Tensor) -> None:
+        assert p.grad is not None, "the hook ran before the sharded gradient was in place"
+        calls[p] += 1
+        optims[p].step()
+        optims[p].zero_grad(set_to_none=True)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    world, rank = data_world, dist.get_rank()
+    micro = 2 if accumulate else 1
+    for step in range(3):
+        for k in range(micro):
+            gen = torch.Generator().manual_seed(100 + 10 * step + k)
+            x = torch.randn(world * ROWS, DIM, generator=gen)
+            if impl == "ref":
+                if accumulate and k == 0:
+                    continue  # the reference sees the last micro-batch of each step only
+                loss = ((model(x) - 1.0) ** 2).mean()
+            else:
+                if accumulate:
+                    model.set_requires_gradient_sync(k == micro - 1)  # type: ignore[operator]
+                mine = slice(rank * ROWS, (rank + 1) * ROWS)
+                loss = ((model(x[mine]) - 1.0) ** 2).mean()
+            loss.backward()
+    out = [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+    return out, [calls[p] for p in params]
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["sync", "no-sync-then-sync"])
+def test_post_accumulate_grad_hook_runs_once_per_reduction_like_torch(accumulate: bool) -> None:
+    """Optimizer-in-backward: the hook runs after the sharded gradient is in place, once per
+    backward that reduces (not for a backward with gradient sync off), as in torch."""
+    ours = run_distributed(_optimizer_in_backward, 2, "ours", accumulate, 2)
+    theirs = run_distributed(_optimizer_in_backward, 2, "torch", accumulate, 2)
+    ours_params, ours_calls = ours[0]
+    theirs_params, theirs_calls = theirs[0]
+    assert ours_calls == theirs_calls == [3] * len(ours_calls)
+    for got, want in zip(ours_params, theirs_params, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    if not accumulate:
+        # Unsharded, autograd runs the same hooks itself, on the whole batch.
+        ref_params, ref_calls = run_distributed(_optimizer_in_backward, 1, "ref", False, 2)[0]
+        assert ref_calls == ours_calls
+        for got, want in zip(ours_params, ref_params, strict=True):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -35,6 +35,19 @@ def inside_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+def post_accumulate_grad_hooks(t: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
+    """The hooks ``t.register_post_accumulate_grad_hook`` registered, in registration order.
+
+    A sharded parameter never takes part in autograd (the unsharded one does), so autograd
+    never runs these hooks: the engine runs them itself once the sharded gradient is in
+    place, as torch's FSDP2 does (optimizer-in-backward depends on it). Registration is
+    public, listing is not: the dict lives at ``Tensor._post_accumulate_grad_hooks`` (``None``
+    until one is registered) since the hooks came in 2.1; run on 2.13.
+    """
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
 def version(t: torch.Tensor) -> int:
     """``t``'s version counter, which every in-place write (``optimizer.step()``) bumps.
 

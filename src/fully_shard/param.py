@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._compat import post_accumulate_grad_hooks
 from .collectives import GatherInput, typed_block
 from .mesh import MeshInfo, TPLayout, combined_placements, contiguous_stride
 from .policies import MixedPrecisionPolicy
@@ -325,6 +326,10 @@ class ShardedParam:
         else:
             # Under no_grad, to_local() is the DTensor's own local tensor: add in place.
             _as_dtensor(grad, self.fqn).to_local().add_(local_grad)
+        # A user's register_post_accumulate_grad_hook (optimizer-in-backward): once per
+        # reduction, after the sharded gradient is in place.
+        for hook in post_accumulate_grad_hooks(self.sharded_param):
+            hook(self.sharded_param)
 
     # -- the all-gather seam: what this parameter sends, and how it is rebuilt ---------------------
     #
