@@ -2,8 +2,8 @@
 
 Pipelining, gradient accumulation written as F F B B, a loss summed over two forwards: each
 schedule must give the gradients of an unsharded model that runs the same schedule on the
-whole global batch, for ``reshard_after_forward`` True and False, with gradient accumulation
-(sync off for all backwards but the last) and activation checkpointing.
+whole global batch, for ``reshard_after_forward`` True, False and an int (2 of 4 ranks), with
+gradient accumulation (sync off for all backwards but the last) and activation checkpointing.
 
 The reference runs the same schedule: micro-batch m's loss is the mean over its global rows,
 and rank r takes its own rows of each micro-batch, so the reference's accumulated gradient is
@@ -16,7 +16,9 @@ forward, reshards after the first backward and is gathered again for the second)
 forwards and backwards only the root stays gathered, and during a backward at most the root
 and two blocks (the one computing and the one prefetched) are: the unsharded parameter bytes
 alive never exceed
-``root + 2 * largest block`` (checked with ``fully_shard.trace``).
+``root + 2 * largest block`` (checked with ``fully_shard.trace``). With
+``reshard_after_forward=n`` a rank also holds, between the forwards and the backwards, one
+post-forward piece per block (``padded bytes / n``), however many forwards ran.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _run_schedule(
 def _schedule_parity(
     n_forwards: int,
     order: list[int] | None,
-    reshard: bool,
+    reshard: bool | int,
     accumulate: bool,
     use_checkpoint: bool,
 ) -> None:
@@ -136,6 +138,54 @@ def test_schedules_with_gradient_accumulation_and_checkpointing(schedule: str) -
     run_distributed(_schedule_parity, 2, 2, SCHEDULES[schedule], True, True, True)
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize(
+    ("accumulate", "use_checkpoint"), [(False, False), (True, True)], ids=["plain", "accum-ac"]
+)
+def test_schedules_with_an_int_reshard(
+    schedule: str, accumulate: bool, use_checkpoint: bool
+) -> None:
+    """``reshard_after_forward=2`` at W=4: each forward leaves a piece over 2 ranks; the second
+    forward and the first backward gather within the pair, later backwards over all 4."""
+    run_distributed(
+        _schedule_parity, 4, 2, SCHEDULES[schedule], 2, accumulate, use_checkpoint, timeout=180
+    )
+
+
+def _pieces_after_two_forwards() -> dict[str, list[int]]:
+    torch.manual_seed(0)
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh_1d(), reshard_after_forward=2)
+    fully_shard(model, mesh=mesh_1d())
+    groups = [layer._fsdp_state.group for layer in model.layers]  # type: ignore[union-attr]
+    x = torch.randn(ROWS, DIMS[0])
+    losses = [model(x).pow(2).mean()]
+    after_one = [g.post_forward_nbytes() for g in groups]
+    losses.append(model(x).pow(2).mean())
+    after_two = [g.post_forward_nbytes() for g in groups]
+    for loss in losses:
+        loss.backward()
+    return {
+        "after_one": after_one,
+        "after_two": after_two,
+        # the padded parameter over 4 ranks, cut for 2: at most padded_numel * 4 / 2 each
+        "bound": [sum(p.padded_numel * 4 // 2 for p in g.params) * 4 for g in groups],
+        "after_backward": [g.post_forward_nbytes() for g in groups],
+    }
+
+
+def test_an_int_reshard_holds_one_piece_per_block_across_forwards() -> None:
+    """Two forwards before their backwards hold one piece per block (at most 1/n of the
+    padded parameter; the second forward's replaces the first's), not one per forward; after
+    the backwards none is left."""
+    for seen in run_distributed(_pieces_after_two_forwards, 4):
+        assert seen["after_two"] == seen["after_one"]
+        pairs = zip(seen["after_two"], seen["bound"], strict=True)
+        assert all(0 < got <= bound for got, bound in pairs)
+        assert seen["after_backward"] == [0] * len(seen["bound"])
+
+
 @st.composite
 def _schedules(draw: st.DrawFn) -> tuple[int, list[int] | None, bool, bool, bool]:
     n = draw(st.integers(2, 3))
@@ -144,11 +194,16 @@ def _schedules(draw: st.DrawFn) -> tuple[int, list[int] | None, bool, bool, bool
 
 
 @settings(max_examples=10)
-@given(case=_schedules(), world=st.sampled_from([2, 3]))
+@given(case=_schedules(), world=st.sampled_from([2, 3, 4]), int_reshard=st.booleans())
 def test_any_schedule_of_forwards_then_backwards_is_at_parity(
-    case: tuple[int, list[int] | None, bool, bool, bool], world: int
+    case: tuple[int, list[int] | None, bool, bool, bool], world: int, int_reshard: bool
 ) -> None:
-    run_distributed(_schedule_parity, world, *case)
+    n, order, reshard, accumulate, use_checkpoint = case
+    # An int needs a group size that divides the world and is smaller: 2 of 4.
+    flag: bool | int = 2 if int_reshard and world == 4 else reshard
+    run_distributed(
+        _schedule_parity, world, n, order, flag, accumulate, use_checkpoint, timeout=180
+    )
 
 
 def _memory_and_gathers() -> dict[str, Any]:
