@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .collectives import TorchComm
 from .debug import check_from_environment
 from .errors import (
+    FullyShardArgumentTypeError,
     FullyShardNotImplementedError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -328,7 +329,7 @@ def _check_reshard_after_forward(value: object, info: MeshInfo) -> tuple[bool | 
     if value is None or isinstance(value, bool):
         return value, None
     if not isinstance(value, int):
-        raise FullyShardTypeError(
+        raise FullyShardArgumentTypeError(
             f"reshard_after_forward must be a bool, an int or None, got {value!r} "
             f"({type(value).__name__})"
         )
@@ -477,7 +478,7 @@ def _shard_dim(
         free = [d for d in range(p.dim()) if d not in tp_sharded_dims(tp)]
         return free[0] if free else 0
     if not isinstance(placement, Shard):
-        raise FullyShardTypeError(
+        raise FullyShardArgumentTypeError(
             f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; it must return "
             "a torch.distributed.tensor.Shard(dim) or None"
         )

@@ -48,6 +48,20 @@ class FullyShardValueError(FullyShardError, ValueError):
     """
 
 
+class FullyShardArgumentTypeError(FullyShardTypeError, ValueError):
+    """An argument of the wrong type where torch's ``fully_shard`` raises ``ValueError``.
+
+    Both a ``TypeError`` (what it is) and a ``ValueError`` (what torch raises for the same
+    call), so ``except`` clauses written for either keep working: ``reshard_after_forward``
+    given a string, ``shard_placement_fn`` returning something other than a placement.
+
+    Example:
+        >>> from fully_shard.errors import FullyShardArgumentTypeError
+        >>> issubclass(FullyShardArgumentTypeError, (TypeError, ValueError))
+        True
+    """
+
+
 class FullyShardNotImplementedError(FullyShardError, NotImplementedError):
     """A valid request that this version does not support yet; the message says what to do.
 
