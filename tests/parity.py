@@ -57,8 +57,10 @@ __all__ = [
     "MakeBatch",
     "ParityStats",
     "ShardFn",
+    "assert_close_or_both_none",
     "check_parity",
     "fsdp_gradient_sync",
+    "full_or_none",
     "loss_fn",
     "make_float_batch",
     "make_token_batch",
@@ -159,6 +161,22 @@ def fsdp_gradient_sync(model: nn.Module, sync: bool) -> None:
 def _full(t: Tensor) -> Tensor:
     """The global value of a (possibly sharded) tensor; all-gathers if it is a DTensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_or_none(t: Tensor | None) -> Tensor | None:
+    """:func:`_full` of a gradient that may be ``None``."""
+    return None if t is None else _full(t)
+
+
+def assert_close_or_both_none(
+    what: str, got: Tensor | None, want: Tensor | None, atol: float, rtol: float | None = None
+) -> None:
+    """Both ``None`` (no gradient on either side), or close in fp32 (``rtol`` default: atol)."""
+    if (got is None) != (want is None):
+        raise AssertionError(f"{what}: one side is None: {got is None} vs {want is None}")
+    if got is not None and want is not None:
+        tol = atol if rtol is None else rtol
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=tol, msg=what)
 
 
 def _max_diff(a: Tensor, b: Tensor) -> float:

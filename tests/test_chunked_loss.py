@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fully_shard import MixedPrecisionPolicy, fully_shard
 from harness import mesh_1d, run_distributed
+from parity import assert_close_or_both_none as _compare
+from parity import full_or_none as _full
 from parity import needs_torch_fsdp2_on_cpu
 
 pytestmark = needs_torch_fsdp2_on_cpu
@@ -93,19 +94,6 @@ def _wrap(model: ChunkedLM, shard: Callable[..., Any], tie: bool, **options: Any
         shard([model.norm, model.head], mesh=mesh, **options)
     # Tied: the shared weight belongs to the root group with the embedding and the head.
     shard(model, mesh=mesh, **options)
-
-
-def _full(t: Tensor | None) -> Tensor | None:
-    if t is None:
-        return None
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _compare(what: str, got: Tensor | None, want: Tensor | None, atol: float) -> None:
-    if (got is None) != (want is None):
-        raise AssertionError(f"{what}: one side is None: {got is None} vs {want is None}")
-    if got is not None and want is not None:
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol, msg=what)
 
 
 def _chunked_side_by_side(tie: bool, use_checkpoint: bool, mixed: bool) -> int:

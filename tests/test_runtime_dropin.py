@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fully_shard import MixedPrecisionPolicy, fully_shard
 from harness import mesh_1d, run_distributed
-from parity import needs_torch_fsdp2_on_cpu
+from parity import assert_close_or_both_none, needs_torch_fsdp2_on_cpu
+from parity import full_or_none as _full
 
 pytestmark = needs_torch_fsdp2_on_cpu
 
@@ -91,17 +92,8 @@ def _wrap(model: nn.Module, shard: Callable[..., Any], **options: Any) -> None:
     shard(model, mesh=mesh_1d(), **options)
 
 
-def _full(t: Tensor | None) -> Tensor | None:
-    if t is None:
-        return None
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _compare(what: str, got: Tensor | None, want: Tensor | None, atol: float) -> None:
-    if (got is None) != (want is None):
-        raise AssertionError(f"{what}: one side is None: {got is None} vs {want is None}")
-    if got is not None and want is not None:
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=RTOL, msg=what)
+    assert_close_or_both_none(what, got, want, atol, RTOL)
 
 
 def _side_by_side(
