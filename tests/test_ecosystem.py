@@ -3,6 +3,9 @@
 - Hugging Face ``transformers``: a tiny ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no
   download), ``fully_shard`` on every decoder layer and on the root, trains like the unsharded
   model (untied and tied word embeddings).
+- Hugging Face ``peft``: LoRA adapters on the attention projections of that Llama, the base
+  weights frozen beside them in each sharded layer; ours and torch's ``fully_shard`` each train
+  like the unsharded PEFT model.
 - Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) *inside* sharded blocks:
   parity, and the recompute in backward runs on parameters gathered again for it.
 - ``torch.compile`` on the blocks of a sharded model, the hooks left eager: parity with eager.
@@ -93,6 +96,68 @@ def test_hf_llama_trains_like_the_unsharded_model(tie: bool) -> None:
     assert stats["max_loss_diff"] <= 1e-5
     assert stats["max_param_diff"] <= 1e-5
     assert stats["zero_grad_params"] == []  # every parameter's comparison meant something
+
+
+# -- Hugging Face PEFT: LoRA adapters beside frozen base weights -------------------------------
+
+
+def _peft_build(tie: bool) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    base = _hf_build(tie)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    # LoRA's B starts at zero, so the first step's adapter gradient would be all-zero on A;
+    # random B makes every adapter weight (and the frozen base under it) matter from step 0.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def _peft_shard(shard_fn: Callable[..., Any]) -> Callable[[nn.Module, DeviceMesh], None]:
+    def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        llama = model.get_base_model()  # type: ignore[operator]  # PeftModel
+        for layer in llama.model.layers:
+            shard_fn(layer, mesh=mesh)  # q_proj/v_proj: frozen base + trainable lora_A/lora_B
+        shard_fn(model, mesh=mesh)
+
+    return shard
+
+
+def _peft_parity(tie: bool, impl: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard  # reference, tests only
+
+    stats = check_parity(
+        functools.partial(_peft_build, tie),
+        _peft_shard(fully_shard if impl == "ours" else torch_fully_shard),
+        functools.partial(make_token_batch, vocab_size=HF_VOCAB, seq_len=HF_SEQ),
+        mesh_1d(),
+        loss=_hf_loss,
+        steps=3,
+        lr=1e-2,
+        atol=1e-5,
+        rtol=0.0,
+    )
+    return dict(stats)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_peft_lora_on_hf_llama_trains_like_the_unsharded_model_and_torch(tie: bool) -> None:
+    """The issue's crash (``setStorage: ... storage of size 0`` in backward): a frozen base
+    weight freed while autograd still needed it for the input gradient. Ours and torch's are
+    each compared with the same unsharded PEFT model, step by step."""
+    pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install -e '.[hf]')"
+    )
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[hf]')")
+    ours = run_distributed(_peft_parity, WORLD, tie, "ours", timeout=180)[0]
+    theirs = run_distributed(_peft_parity, WORLD, tie, "torch", timeout=180)[0]
+    assert ours["ref_losses"] == theirs["ref_losses"]  # the same reference run
+    assert ours["max_loss_diff"] <= 1e-5 and ours["max_param_diff"] <= 1e-5
+    assert theirs["max_loss_diff"] <= 1e-5 and theirs["max_param_diff"] <= 1e-5
+    assert ours["zero_grad_params"] == []
 
 
 # -- activation checkpointing inside sharded blocks ---------------------------------------------
