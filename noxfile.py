@@ -27,7 +27,8 @@ def _existing(paths: tuple[str, ...]) -> list[str]:
 def tests(session: nox.Session) -> None:
     """Run the test suite; extra arguments go to pytest (``nox -s tests -- -k harness``).
 
-    ``[hf]`` brings ``transformers`` and ``peft`` for the Hugging Face tests, which skip without them.
+    ``[hf]`` brings ``transformers`` and ``peft`` for the Hugging Face tests (they skip
+    without them).
     """
     session.install("-e", ".[test,hf]", *CONSTRAINTS)
     session.run("pytest", *session.posargs)
