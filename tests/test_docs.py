@@ -60,6 +60,8 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_ecosystem.py)
     "compile.py": (["--backend", "aot_eager"], r"step 2: loss \d"),
     "hf_llama.py": ([], r"step 2: loss \d"),
+    "peft_lora.py": ([], r"step 2: loss \d\S*, \d+ of \d+ parameters trainable"),
+    "low_memory_step.py": ([], r"step 2: loss \d\S*, (\d+) of \1 parameters stepped"),
     "desync.py": ([], r"step 1: rank 0: collectives diverged .* 'layers\.2'"),
     # 2 ranks: TP 2 x DP 1 (tests/test_example_2d.py runs 2 x 2 under torchrun)
     "train_llama_2d.py": (["--steps", "3"], r"max \|2-D - unsharded\| over all parameters"),
@@ -69,7 +71,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
         r"finished 4 steps",
     ),
 }
-NEEDS = {"hf_llama.py": "transformers"}
+NEEDS = {"hf_llama.py": "transformers", "peft_lora.py": "peft"}
 SHARED = {"toy.py", "llama.py"}  # modules the scripts import, not scripts
 
 
