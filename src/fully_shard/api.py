@@ -207,7 +207,8 @@ def fully_shard(
         post_forward=post_forward,
     )
     group = ParamGroup(params, modules, info, config, TorchComm())
-    state = FSDPState(group, modules, {id(plan.param): weakref.ref(plan.param) for plan in plans})
+    originals = {id(plan.param): weakref.ref(plan.param) for plan in plans}
+    state = FSDPState((group,), modules, originals)
     state.install()
     _install_state_dict_hooks(state)
     for m in modules:
@@ -242,13 +243,13 @@ def _install_state_dict_hooks(state: FSDPState) -> None:
     first (outside backward, where the gathered parameters are still needed); the next
     forward or backward gathers again.
     """
-    group = state.group
 
     def to_sharded(*args: object, **kwargs: object) -> None:
         if state.root is None or not state.root.in_backward:
-            group.reshard()
+            for group in state.groups:
+                group.reshard()
 
-    modules = {id(m): m for p in group.params for m, _ in p.slots}
+    modules = {id(m): m for p in state.params for m, _ in p.slots}
     for m in modules.values():
         # Both public since torch 2.5; torch's stubs leave them untyped.
         m.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
@@ -396,7 +397,7 @@ def _owned_elsewhere(
         for m in top.modules():
             if isinstance(m, FSDPModule):
                 state = m._fsdp_state
-                for p in state.group.params:
+                for p in state.params:
                     owned.add(id(p.sharded_param))
                     if p.unsharded_param is not None:
                         owned.add(id(p.unsharded_param))
