@@ -27,19 +27,11 @@ from .errors import (
 )
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
-from .mesh import (
-    MeshInfo,
-    TPLayout,
-    check_strided_split,
-    default_mesh,
-    mesh_info,
-    post_forward_subgroup,
-    tp_layout,
-    tp_sharded_dims,
-)
+from .mesh import MeshInfo, default_mesh, mesh_info, post_forward_subgroup
 from .module import FSDPModule
 from .param import ShardedParam
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .spmd import TPLayout, check_strided_split, tp_layout, tp_sharded_dims
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -117,8 +109,10 @@ def fully_shard(
         module: a module, or a list of modules that form one group.
         mesh: a 1-D mesh (shard) or 2-D mesh (replicate, shard: HSDP). ``None``: a 1-D mesh
             over the default process group. Parameters that are already tensor-parallel
-            DTensors on ``root["tp"]`` need ``mesh=root["dp"]`` of the same named 2-D mesh;
-            they become DTensors on ``root`` (see docs/recipes/2d-meshes.md).
+            DTensors on ``root["tp"]`` need the data-parallel dims of the same named mesh:
+            ``mesh=root["dp"]`` (2-D root) or ``mesh=root["replicate", "shard"]`` (HSDP + TP
+            on a 3-D root); they become DTensors on the mesh of those dims and ``"tp"``
+            (see docs/recipes/2d-meshes.md and docs/recipes/3d-meshes.md).
         reshard_after_forward: ``True`` frees the gathered parameters after forward and
             gathers them again for backward (less memory, one more all-gather); ``False``
             keeps them until after backward; ``None``: ``False`` for the root, ``True`` for
