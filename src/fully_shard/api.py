@@ -31,7 +31,18 @@ from .mesh import MeshInfo, default_mesh, mesh_info, post_forward_subgroup
 from .module import FSDPModule
 from .param import ShardedParam
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .spmd import TPLayout, check_strided_split, tp_layout, tp_sharded_dims
+from .spmd import (
+    SPMDMesh,
+    SPMDPlan,
+    TPLayout,
+    build_spmd_mesh,
+    check_dp_mesh_dims,
+    check_spmd_param,
+    check_strided_split,
+    spmd_layout,
+    tp_layout,
+    tp_sharded_dims,
+)
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -131,9 +142,12 @@ def fully_shard(
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
-        dp_mesh_dims: torch 2.13's way of naming the data-parallel dims of a full SPMD mesh
-            (a :class:`DataParallelMeshDims`). Only ``None`` is supported yet; a
-            ``DataParallelMeshDims`` raises ``FullyShardNotImplementedError``.
+        dp_mesh_dims: torch 2.13's full-SPMD-mesh mode (a :class:`DataParallelMeshDims`):
+            ``mesh`` is then the whole mesh, every parameter already a DTensor on it with
+            ``Replicate()`` on the dims named here; we shard over ``shard`` and replicate over
+            ``replicate`` (a tuple of dims is flattened into one), keeping the parameters'
+            own placements on the other dims (see docs/recipes/3d-meshes.md). Not with an
+            int ``reshard_after_forward`` (nor in torch).
 
     Returns:
         ``module``, its class swapped to an ``FSDPModule`` subclass.
@@ -146,10 +160,17 @@ def fully_shard(
         >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> optim = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
     """
-    _check_dp_mesh_dims(dp_mesh_dims)
+    spmd_plan = _check_dp_mesh_dims(dp_mesh_dims, mesh, reshard_after_forward)
     modules = _check_modules(module)
-    info = _resolve_mesh(mesh)
-    reshard_flag, post_forward_size = _check_reshard_after_forward(reshard_after_forward, info)
+    info: MeshInfo | None = None
+    if spmd_plan is None:
+        info = _resolve_mesh(mesh)
+        shard_size = info.shard_size
+    else:
+        shard_size = spmd_plan.shard_size
+    reshard_flag, post_forward_size = _check_reshard_after_forward(
+        reshard_after_forward, shard_size
+    )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise FullyShardTypeError(
             f"shard_placement_fn must be a callable (param -> Shard | None), got "
@@ -166,7 +187,18 @@ def fully_shard(
             f"got {type(offload_policy).__name__}"
         )
     ignored = _check_ignored(ignored_params, modules)
-    plans = _plan_params(modules, ignored, shard_placement_fn, info)
+    found = _collect_params(modules, ignored)
+    spmd: SPMDMesh | None = None
+    if spmd_plan is not None:
+        for param, fqn, _ in found:
+            check_spmd_param(spmd_plan, param, fqn)
+        # Flattening a tuple of dims creates process groups (collective). What is checked
+        # after this depends only on the model and the arguments, the same on every rank.
+        spmd = build_spmd_mesh(spmd_plan)
+        info = spmd.info
+    if info is None:
+        raise RuntimeError("fully_shard resolved no mesh (internal error)")
+    plans = _plan_params(found, shard_placement_fn, info, spmd)
     _check_params(plans, info, mp_policy)
     _check_post_forward_plans(post_forward_size, plans)
 
@@ -212,20 +244,23 @@ def fully_shard(
     return module
 
 
-def _check_dp_mesh_dims(dp_mesh_dims: object) -> None:
+def _check_dp_mesh_dims(
+    dp_mesh_dims: object, mesh: object, reshard_after_forward: object
+) -> SPMDPlan | None:
     if dp_mesh_dims is None:
-        return
-    if isinstance(dp_mesh_dims, DataParallelMeshDims):
-        raise FullyShardNotImplementedError(
-            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) (parameters that are already "
-            "DTensors on a full SPMD mesh) is not supported yet; pass the data-parallel "
-            'sub-mesh instead, e.g. mesh=root["dp"] (1-D) or mesh=root["dp_rep", "dp_shard"] '
-            "(HSDP), and leave dp_mesh_dims=None"
+        return None
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise FullyShardTypeError(
+            f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims or None, got "
+            f"{type(dp_mesh_dims).__name__}"
         )
-    raise FullyShardTypeError(
-        f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims or None, got "
-        f"{type(dp_mesh_dims).__name__}"
-    )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise FullyShardNotImplementedError(
+            f"reshard_after_forward={reshard_after_forward} (an int) with dp_mesh_dims is not "
+            "supported (nor by torch's fully_shard); pass True or False"
+        )
+    _check_mesh_device(mesh)
+    return check_dp_mesh_dims(mesh, dp_mesh_dims)
 
 
 def _install_state_dict_hooks(state: FSDPState) -> None:
@@ -299,6 +334,11 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
 
 
 def _resolve_mesh(mesh: object) -> MeshInfo:
+    _check_mesh_device(mesh)
+    return mesh_info(default_mesh() if mesh is None else mesh)
+
+
+def _check_mesh_device(mesh: object) -> None:
     if isinstance(mesh, DeviceMesh) and mesh.device_type != "cpu":
         # Checked here: reading the compute device of such a mesh fails inside torch with a
         # message that does not mention the mesh.
@@ -311,11 +351,11 @@ def _resolve_mesh(mesh: object) -> MeshInfo:
                 "init_device_mesh('cpu', ...) to run on CPU with gloo, or start the ranks on a "
                 f"machine with {kind} devices"
             )
-    return mesh_info(default_mesh() if mesh is None else mesh)
 
 
-def _check_reshard_after_forward(value: object, info: MeshInfo) -> tuple[bool | None, int | None]:
-    """(the bool flag, the post-forward group size or None) that ``value`` means.
+def _check_reshard_after_forward(value: object, world: int) -> tuple[bool | None, int | None]:
+    """(the bool flag, the post-forward group size or None) that ``value`` means for a shard
+    world of ``world`` ranks.
 
     As in torch: an int n reshards after forward to groups of n shard ranks; n == 1 keeps
     the parameters whole (``False``, with a warning), n == the shard world is ``True``.
@@ -327,7 +367,6 @@ def _check_reshard_after_forward(value: object, info: MeshInfo) -> tuple[bool | 
             f"reshard_after_forward must be a bool, an int or None, got {value!r} "
             f"({type(value).__name__})"
         )
-    world = info.shard_size
     if value < 1 or value > world or world % value != 0:
         raise FullyShardValueError(
             f"reshard_after_forward={value} must divide the shard world size {world} "
@@ -399,12 +438,12 @@ def _owned_elsewhere(
     return owned, originals
 
 
-def _plan_params(
-    modules: tuple[nn.Module, ...],
-    ignored: set[nn.Parameter],
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    info: MeshInfo,
-) -> list[_ParamPlan]:
+_Found = tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]
+"""A parameter to shard: (the parameter, its qualified name, every (module, name) holding it)."""
+
+
+def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[_Found]:
+    """The parameters this call owns: not ignored, not owned by an earlier call."""
     owned, originals = _owned_elsewhere(modules)
     ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]] = {}
@@ -429,9 +468,18 @@ def _plan_params(
                 if id(p) not in found:
                     found[id(p)] = (p, fqn, [])
                 found[id(p)][2].append((m, name))
+    return list(found.values())
+
+
+def _plan_params(
+    found: list[_Found],
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    info: MeshInfo,
+    spmd: SPMDMesh | None,
+) -> list[_ParamPlan]:
     # One group is gathered by one collective: its DTensor parameters must share one mesh.
     tp_meshes: dict[DeviceMesh, str] = {}
-    for p, fqn, _ in found.values():
+    for p, fqn, _ in found:
         if isinstance(p, DTensor):
             tp_meshes.setdefault(p.device_mesh, fqn)
     if len(tp_meshes) > 1:
@@ -443,8 +491,12 @@ def _plan_params(
             "fully_shard calls"
         )
     plans = []
-    for p, fqn, slots in found.values():
-        tp = tp_layout(info, p, fqn) if isinstance(p, DTensor) else None
+    for p, fqn, slots in found:
+        tp: TPLayout | None = None
+        if spmd is not None and isinstance(p, DTensor):
+            tp = spmd_layout(spmd, p)
+        elif isinstance(p, DTensor):
+            tp = tp_layout(info, p, fqn)
         dim = _shard_dim(p, fqn, shard_placement_fn, tp)
         if tp is not None:
             check_strided_split(tp, dim, info.shard_size, fqn)

@@ -17,6 +17,16 @@ again while gathered), the mesh the sharded DTensor lives on, and the placements
 before ours (``Replicate()`` on every dp dim). :func:`combined_placements` adds ours on the
 shard dim.
 
+A parameter on a full SPMD mesh (``fully_shard(m, mesh=world, dp_mesh_dims=
+DataParallelMeshDims(shard=..., replicate=...))``, torch 2.13's way) is a DTensor on ``world``
+itself with ``Replicate()`` on the dp dims. It is described the same way: its sharded DTensor
+lives on ``world`` (a tuple of dims, flattened into one dim, replaces those dims), with our
+shard on the shard dim, ``Replicate()`` on the replicate dim and its own placements elsewhere.
+Its gradient keeps whatever placement it has on the dp dims (``Partial()`` when the batch is
+a DTensor sharded over them): the reduce-scatter and all-reduce sum those, as in torch.
+:func:`check_dp_mesh_dims` and :func:`check_spmd_param` check everything first; only then
+:func:`build_spmd_mesh` creates the flattened dims (collective).
+
 Which tensor dim we shard: by default the first one the other placements leave whole, so
 that two plain ``Shard`` placements of different tensor dims describe the layout exactly (they
 commute). When we shard a dim that a placement on a *later* (inner) mesh dim shards too, that
@@ -29,15 +39,23 @@ split (:func:`check_strided_split`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ._compat import root_mesh, strided_shard, strided_shard_handles_uneven
-from .errors import FullyShardNotImplementedError, FullyShardValueError
-from .mesh import MeshInfo, contiguous_stride
+from ._compat import (
+    can_concatenate_meshes,
+    concatenate_meshes,
+    flatten_mesh,
+    root_mesh,
+    strided_shard,
+    strided_shard_handles_uneven,
+)
+from .errors import FullyShardNotImplementedError, FullyShardTypeError, FullyShardValueError
+from .mesh import MeshInfo, contiguous_stride, mesh_info
+from .policies import DataParallelMeshDims
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,8 @@ class TPLayout:
         base: the placements on ``spmd`` before ours: ``Replicate()`` on the dp dims, the
             parameter's own placements on its dims.
         shard_index: the index in ``spmd`` of the dp dim we shard over.
+        dp_dims: the dims of ``mesh`` that are data parallel (a full SPMD mesh): the
+            gradient's placements there are kept for the reduction to sum; empty for TP.
 
     Example:
         >>> layout = tp_layout(mesh_info(root["dp"]), wq.weight, "wq.weight")  # doctest: +SKIP
@@ -67,11 +87,15 @@ class TPLayout:
     spmd: DeviceMesh
     base: tuple[Placement, ...]
     shard_index: int
+    dp_dims: frozenset[int] = field(default_factory=frozenset)
 
     def grad_placements(self, current: tuple[Placement, ...]) -> tuple[Placement, ...]:
         """The placements to bring an unsharded gradient (placed ``current``) to before taking
-        its local tensor: the parameter's own (a ``Partial`` TP gradient is summed first)."""
-        return self.placements
+        its local tensor: the parameter's own (a ``Partial`` TP gradient is summed first),
+        except on the dp dims, where the reduction does the summing."""
+        return tuple(
+            current[i] if i in self.dp_dims else own for i, own in enumerate(self.placements)
+        )
 
 
 def _check_placements(placements: tuple[Placement, ...], fqn: str, where: str) -> None:
@@ -152,8 +176,13 @@ def tp_layout(info: MeshInfo, param: DTensor, fqn: str) -> TPLayout:
 
 
 def tp_sharded_dims(layout: TPLayout) -> set[int]:
-    """The tensor dims the parameter's own placements already shard."""
-    return {p.dim for p in layout.base if isinstance(p, Shard)}
+    """The tensor dims the parameter's own placements really split (over a mesh dim of more
+    than one rank: a ``Shard`` over one rank leaves the dim whole)."""
+    return {
+        p.dim
+        for j, p in enumerate(layout.base)
+        if isinstance(p, Shard) and int(layout.spmd.size(j)) > 1
+    }
 
 
 def _inner_split(layout: TPLayout, shard_dim: int) -> int:
@@ -204,4 +233,201 @@ def check_strided_split(layout: TPLayout, shard_dim: int, dp_size: int, fqn: str
         "checkpoints would fail). Shard another dim (shard_placement_fn returning Shard(d) for "
         f"a dim tensor parallelism leaves whole), make dim {shard_dim} divisible by {pieces}, "
         "or use torch 2.13 or newer"
+    )
+
+
+# -- a full SPMD mesh: dp_mesh_dims -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SPMDPlan:
+    """``dp_mesh_dims`` checked against a full mesh: which dims do what (nothing created yet).
+
+    Attributes:
+        full: the mesh given to ``fully_shard``; every parameter is a DTensor on it.
+        shard_names, replicate_names: the dims sharded / replicated over (a tuple of several
+            is flattened into one dim).
+        spec_dims: the dims of the mesh the sharded DTensors live on, in ``full``'s order,
+            each as the tuple of ``full``'s dims it stands for.
+        shard_size: how many ranks share one parameter (the product of the shard dims).
+
+    Example:
+        >>> plan = check_dp_mesh_dims(world, DataParallelMeshDims(shard="dp"))  # doctest: +SKIP
+        >>> plan.spec_dims  # world = (dp, tp)  # doctest: +SKIP
+        (('dp',), ('tp',))
+    """
+
+    full: DeviceMesh
+    shard_names: tuple[str, ...]
+    replicate_names: tuple[str, ...]
+    spec_dims: tuple[tuple[str, ...], ...]
+    shard_size: int
+
+    @property
+    def dp_names(self) -> tuple[str, ...]:
+        return (*self.replicate_names, *self.shard_names)
+
+
+def check_dp_mesh_dims(mesh: object, dims: DataParallelMeshDims) -> SPMDPlan:
+    """Check ``dims`` against the full mesh ``mesh``, before anything is created."""
+    # Read again: DataParallelMeshDims is not frozen (like torch's), a field may have changed.
+    shard, replicate = dims.shard_names, dims.replicate_names
+    if not isinstance(mesh, DeviceMesh):
+        raise FullyShardTypeError(
+            f"fully_shard(dp_mesh_dims=...) needs mesh= the full SPMD DeviceMesh whose dims "
+            f"{dims!r} names, got {type(mesh).__name__}"
+        )
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise FullyShardValueError(
+            f"fully_shard(dp_mesh_dims={dims!r}) needs a mesh with mesh_dim_names, got {mesh}; "
+            "build it with init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    if not shard:
+        raise FullyShardNotImplementedError(
+            f"dp_mesh_dims={dims!r} names no shard dim (replicate only, plain data "
+            "parallelism); fully_shard needs a dim to shard over: name it in shard=..., or "
+            "use DistributedDataParallel for replication alone"
+        )
+    for field_name, group in (("shard", shard), ("replicate", replicate)):
+        for name in group:
+            if name not in names:
+                raise FullyShardValueError(
+                    f"DataParallelMeshDims.{field_name} names {name!r}, which is not a dim of "
+                    f"the mesh {mesh} (its dims: {names})"
+                )
+        if len(set(group)) != len(group):
+            raise FullyShardValueError(
+                f"DataParallelMeshDims.{field_name}={group} names a dim twice"
+            )
+        if list(group) != sorted(group, key=names.index):
+            raise FullyShardValueError(
+                f"DataParallelMeshDims.{field_name}={group} must list the dims in the mesh's "
+                f"order {names}, e.g. {tuple(sorted(group, key=names.index))}"
+            )
+    both = set(shard) & set(replicate)
+    if both:
+        raise FullyShardValueError(
+            f"DataParallelMeshDims names {sorted(both)} as both shard and replicate dims; each "
+            "mesh dim either shards or replicates the parameters"
+        )
+    concatenated = len(shard) > 1 or len(replicate) > 1
+    if replicate and names.index(replicate[0]) > names.index(shard[0]):
+        concatenated = True  # the HSDP mesh is (replicate, shard): not a slice of the mesh
+    if concatenated and not can_concatenate_meshes():
+        raise FullyShardNotImplementedError(
+            f"dp_mesh_dims={dims!r} needs dims flattened or reordered into a new mesh, which "
+            f"this torch ({torch.__version__}) cannot build without new process groups; use "
+            "torch 2.13 or newer, or name single dims with the replicate dim before the shard "
+            "dim"
+        )
+    spec: list[tuple[str, ...]] = []
+    for name in names:
+        group = shard if name in shard else replicate if name in replicate else (name,)
+        if group not in spec:
+            spec.append(group)
+    return SPMDPlan(
+        full=mesh,
+        shard_names=shard,
+        replicate_names=replicate,
+        spec_dims=tuple(spec),
+        shard_size=math.prod(int(mesh.size(names.index(n))) for n in shard),
+    )
+
+
+def check_spmd_param(plan: SPMDPlan, param: object, fqn: str) -> None:
+    """``param`` must be a DTensor on the full mesh with ``Replicate()`` on every dp dim."""
+    full = plan.full
+    if not isinstance(param, DTensor):
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is a plain tensor; with dp_mesh_dims every parameter must be a "
+            f"DTensor on the full mesh {full} (e.g. distribute_tensor(p, mesh, [Replicate(), "
+            "...]) or distribute_module), with Replicate() on the data-parallel dims"
+        )
+    if param.device_mesh != full:
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {param.device_mesh}, not on the mesh "
+            f"given to fully_shard {full}; with dp_mesh_dims every parameter lives on that "
+            "full mesh"
+        )
+    names = full.mesh_dim_names or ()
+    placements = tuple(param.placements)
+    for name in plan.dp_names:
+        placement = placements[names.index(name)]
+        if placement != Replicate():
+            raise FullyShardValueError(
+                f"parameter {fqn!r} is placed {placement!r} on the data-parallel dim {name!r}; "
+                "with dp_mesh_dims the parameters must be Replicate() on every data-parallel "
+                f"dim {plan.dp_names} (fully_shard shards them there itself)"
+            )
+    _check_placements(placements, fqn, f"mesh {full}")
+
+
+@dataclass(frozen=True)
+class SPMDMesh:
+    """The meshes of a checked :class:`SPMDPlan`, built.
+
+    Attributes:
+        plan: what was checked.
+        info: the data-parallel view (1-D shard mesh, or 2-D (replicate, shard) for HSDP)
+            whose process groups gather and reduce.
+        spec: the mesh the sharded DTensors live on (``plan.spec_dims``).
+
+    Example:
+        >>> spmd = build_spmd_mesh(check_dp_mesh_dims(world, dims))  # doctest: +SKIP
+        >>> spmd.info.shard_size  # doctest: +SKIP
+        2
+    """
+
+    plan: SPMDPlan
+    info: MeshInfo
+    spec: DeviceMesh
+
+
+def build_spmd_mesh(plan: SPMDPlan) -> SPMDMesh:
+    """Build the dp mesh and the sharded DTensors' mesh (flattening dims: collective)."""
+    full = plan.full
+
+    def dim_mesh(group: tuple[str, ...]) -> DeviceMesh:
+        return full[group[0]] if len(group) == 1 else flatten_mesh(full, group)
+
+    shard, replicate = plan.shard_names, plan.replicate_names
+    hsdp = replicate + shard  # the (replicate, shard) order of a 2-D dp mesh
+    if not replicate:
+        dp = dim_mesh(shard)
+    elif len(hsdp) == 2 and _in_order(full, hsdp):
+        dp = full[hsdp]
+    else:
+        dp = concatenate_meshes([dim_mesh(replicate), dim_mesh(shard)])
+    if all(len(group) == 1 for group in plan.spec_dims):
+        spec = full
+    else:
+        spec = concatenate_meshes([dim_mesh(group) for group in plan.spec_dims])
+    return SPMDMesh(plan=plan, info=mesh_info(dp), spec=spec)
+
+
+def _in_order(mesh: DeviceMesh, names: tuple[str, ...]) -> bool:
+    order = mesh.mesh_dim_names or ()
+    return list(names) == sorted(names, key=order.index)
+
+
+def spmd_layout(spmd: SPMDMesh, param: DTensor) -> TPLayout:
+    """The layout of ``param`` (checked by :func:`check_spmd_param`) on ``spmd.spec``."""
+    plan = spmd.plan
+    names = plan.full.mesh_dim_names or ()
+    placements = tuple(param.placements)
+    base: list[Placement] = []
+    for group in plan.spec_dims:
+        dp = group in (plan.shard_names, plan.replicate_names)
+        base.append(Replicate() if dp else placements[names.index(group[0])])
+    size = param.size()
+    return TPLayout(
+        mesh=plan.full,
+        placements=placements,
+        size=size,
+        stride=contiguous_stride(size),
+        spmd=spmd.spec,
+        base=tuple(base),
+        shard_index=plan.spec_dims.index(plan.shard_names),
+        dp_dims=frozenset(names.index(n) for n in plan.dp_names),
     )
