@@ -27,7 +27,14 @@ from .errors import (
 )
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
-from .mesh import MeshInfo, default_mesh, mesh_info, post_forward_subgroup
+from .mesh import (
+    MeshInfo,
+    MeshResolver,
+    ShardPlacementResult,
+    default_mesh,
+    mesh_info,
+    post_forward_subgroup,
+)
 from .module import FSDPModule
 from .param import ShardedParam
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -45,6 +52,8 @@ from .spmd import (
 )
 
 M = TypeVar("M", bound=nn.Module)
+ShardPlacement = Shard | ShardPlacementResult | None
+"""What ``shard_placement_fn`` returns (torch 2.13's ``ShardPlacementResult`` works too)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,8 @@ class _ParamPlan:
     fqn: str
     slots: list[tuple[nn.Module, str]]
     shard_dim: int
-    tp: TPLayout | None  # set for a tensor-parallel DTensor parameter
+    tp: TPLayout | None  # set for a parameter that already is a DTensor
+    info: MeshInfo  # the mesh of the group it joins (shard_placement_fn may choose one)
 
 
 @functools.cache
@@ -74,7 +84,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -88,7 +98,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -101,7 +111,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
@@ -138,7 +148,11 @@ def fully_shard(
             ``n``-rank groups, once per mesh: call it on every rank. Not with
             tensor-parallel parameters (nor in torch).
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use, or ``None`` for
-            ``Shard(0)``.
+            the default (``Shard(0)``; for a DTensor parameter the first dim its own
+            placements leave whole), or a :class:`ShardPlacementResult` ``(placement,
+            mesh)`` to shard it over a mesh of its own: the parameters naming one mesh form
+            one more group of this call (per-parameter meshes, e.g. the experts of a
+            mixture of experts; see docs/recipes/per-param-meshes.md).
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
@@ -173,7 +187,8 @@ def fully_shard(
     )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise FullyShardTypeError(
-            f"shard_placement_fn must be a callable (param -> Shard | None), got "
+            f"shard_placement_fn must be a callable (param -> Shard | ShardPlacementResult | "
+            f"None), got "
             f"{type(shard_placement_fn).__name__}"
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -199,42 +214,51 @@ def fully_shard(
     if info is None:
         raise RuntimeError("fully_shard resolved no mesh (internal error)")
     plans = _plan_params(found, shard_placement_fn, info, spmd)
-    _check_params(plans, info, mp_policy)
-    _check_post_forward_plans(post_forward_size, plans)
+    grouped = _group_plans(plans, info)
+    post_forward_sizes = []
+    for group_info, group_plans in grouped:
+        _check_params(group_plans, group_info, mp_policy)
+        size = post_forward_size
+        if group_info is not info:  # a mesh of its own: reshard_after_forward=n must divide it
+            _, size = _check_reshard_after_forward(
+                reshard_after_forward, group_info.shard_size, warn=False
+            )
+        _check_post_forward_plans(size, group_plans)
+        post_forward_sizes.append(size)
 
     # -- every check passed: from here on the module changes --------------------------------
     check_from_environment()  # FULLY_SHARD_CHECK_COLLECTIVES=1: the desync checker, job-wide
-    # Creating process groups is collective: only now, when no rank can still refuse the call.
-    post_forward = (
-        None if post_forward_size is None else post_forward_subgroup(info, post_forward_size)
-    )
-    shard_device = offload_policy.shard_device(info.device)
     pin = offload_policy.use_pinned_memory() and torch.cuda.is_available()
-    params = [
-        ShardedParam(
-            plan.param,
-            plan.slots,
-            plan.fqn,
-            plan.shard_dim,
-            info,
-            shard_device,
-            pin,
-            mp_policy,
-            plan.tp,
+    groups = []
+    for (group_info, group_plans), size in zip(grouped, post_forward_sizes, strict=True):
+        # Creating process groups is collective: only now, when no rank can still refuse.
+        post_forward = None if size is None else post_forward_subgroup(group_info, size)
+        shard_device = offload_policy.shard_device(group_info.device)
+        params = [
+            ShardedParam(
+                plan.param,
+                plan.slots,
+                plan.fqn,
+                plan.shard_dim,
+                group_info,
+                shard_device,
+                pin,
+                mp_policy,
+                plan.tp,
+            )
+            for plan in group_plans
+        ]
+        for p in params:
+            p.register(p.sharded_param)
+        config = GroupConfig(
+            reshard_after_forward=reshard_flag,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            post_forward=post_forward,
         )
-        for plan in plans
-    ]
-    for p in params:
-        p.register(p.sharded_param)
-    config = GroupConfig(
-        reshard_after_forward=reshard_flag,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        post_forward=post_forward,
-    )
-    group = ParamGroup(params, modules, info, config, TorchComm())
+        groups.append(ParamGroup(params, modules, group_info, config, TorchComm()))
     originals = {id(plan.param): weakref.ref(plan.param) for plan in plans}
-    state = FSDPState((group,), modules, originals)
+    state = FSDPState(tuple(groups), modules, originals)
     state.install()
     _install_state_dict_hooks(state)
     for m in modules:
@@ -353,9 +377,11 @@ def _check_mesh_device(mesh: object) -> None:
             )
 
 
-def _check_reshard_after_forward(value: object, world: int) -> tuple[bool | None, int | None]:
+def _check_reshard_after_forward(
+    value: object, world: int, *, warn: bool = True
+) -> tuple[bool | None, int | None]:
     """(the bool flag, the post-forward group size or None) that ``value`` means for a shard
-    world of ``world`` ranks.
+    world of ``world`` ranks (``warn``: about ``n == 1``, once per call).
 
     As in torch: an int n reshards after forward to groups of n shard ranks; n == 1 keeps
     the parameters whole (``False``, with a warning), n == the shard world is ``True``.
@@ -373,6 +399,8 @@ def _check_reshard_after_forward(value: object, world: int) -> tuple[bool | None
             f"(1 <= n <= {world}); pass True, False or a divisor of {world}"
         )
     if value == 1:
+        if not warn:
+            return False, None
         warnings.warn(
             "reshard_after_forward=1 (an int) reshards to groups of 1 rank, which keeps every "
             "parameter whole after forward, like reshard_after_forward=False; pass False to "
@@ -473,49 +501,77 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) 
 
 def _plan_params(
     found: list[_Found],
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None,
     info: MeshInfo,
     spmd: SPMDMesh | None,
 ) -> list[_ParamPlan]:
-    # One group is gathered by one collective: its DTensor parameters must share one mesh.
-    tp_meshes: dict[DeviceMesh, str] = {}
+    resolver = MeshResolver(info)
+    chosen: list[tuple[object, MeshInfo]] = []
     for p, fqn, _ in found:
+        if p.dim() == 0:
+            raise FullyShardValueError(
+                f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape "
+                "it to (1,) or pass it in ignored_params"
+            )
+        result = None if shard_placement_fn is None else shard_placement_fn(p)
+        placement, param_info = resolver.resolve(result, fqn)
+        if spmd is not None and param_info is not info:
+            raise FullyShardNotImplementedError(
+                f"shard_placement_fn returned a mesh of its own for parameter {fqn!r} and "
+                "dp_mesh_dims is set; per-parameter meshes work with a data-parallel mesh= "
+                "(without dp_mesh_dims) only"
+            )
+        chosen.append((placement, param_info))
+    by_mesh: dict[int, list[tuple[nn.Parameter, str]]] = {}
+    for (p, fqn, _), (_, param_info) in zip(found, chosen, strict=True):
+        by_mesh.setdefault(id(param_info), []).append((p, fqn))
+    for members in by_mesh.values():
+        _check_one_dtensor_mesh(members)
+    plans = []
+    for (p, fqn, slots), (placement, param_info) in zip(found, chosen, strict=True):
+        tp: TPLayout | None = None
+        if spmd is not None and isinstance(p, DTensor):
+            tp = spmd_layout(spmd, p)
+        elif isinstance(p, DTensor):
+            tp = tp_layout(param_info, p, fqn)
+        dim = _shard_dim(p, fqn, placement, tp)
+        if tp is not None:
+            check_strided_split(tp, dim, param_info.shard_size, fqn)
+        plans.append(_ParamPlan(p, fqn, slots, dim, tp, param_info))
+    return plans
+
+
+def _group_plans(
+    plans: list[_ParamPlan], default: MeshInfo
+) -> list[tuple[MeshInfo, list[_ParamPlan]]]:
+    """One group per mesh: the call's own first (kept even if empty when it is the only one),
+    then the meshes ``shard_placement_fn`` chose, in the order their parameters came."""
+    by_mesh: dict[int, tuple[MeshInfo, list[_ParamPlan]]] = {id(default): (default, [])}
+    for plan in plans:
+        by_mesh.setdefault(id(plan.info), (plan.info, []))[1].append(plan)
+    grouped = list(by_mesh.values())
+    if len(grouped) > 1 and not grouped[0][1]:
+        grouped = grouped[1:]
+    return grouped
+
+
+def _check_one_dtensor_mesh(members: list[tuple[nn.Parameter, str]]) -> None:
+    # One group is gathered by one collective: its DTensor parameters must share one mesh.
+    meshes: dict[DeviceMesh, str] = {}
+    for p, fqn in members:
         if isinstance(p, DTensor):
-            tp_meshes.setdefault(p.device_mesh, fqn)
-    if len(tp_meshes) > 1:
-        (first_mesh, first_fqn), (other_mesh, other_fqn) = list(tp_meshes.items())[:2]
+            meshes.setdefault(p.device_mesh, fqn)
+    if len(meshes) > 1:
+        (first_mesh, first_fqn), (other_mesh, other_fqn) = list(meshes.items())[:2]
         raise FullyShardValueError(
             f"the DTensor parameters of one fully_shard group are on different meshes: "
             f"{first_fqn!r} on {first_mesh} and {other_fqn!r} on {other_mesh}; parallelize "
             "the modules of one group on one tensor-parallel mesh, or shard them in separate "
             "fully_shard calls"
         )
-    plans = []
-    for p, fqn, slots in found:
-        tp: TPLayout | None = None
-        if spmd is not None and isinstance(p, DTensor):
-            tp = spmd_layout(spmd, p)
-        elif isinstance(p, DTensor):
-            tp = tp_layout(info, p, fqn)
-        dim = _shard_dim(p, fqn, shard_placement_fn, tp)
-        if tp is not None:
-            check_strided_split(tp, dim, info.shard_size, fqn)
-        plans.append(_ParamPlan(p, fqn, slots, dim, tp))
-    return plans
 
 
-def _shard_dim(
-    p: nn.Parameter,
-    fqn: str,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    tp: TPLayout | None,
-) -> int:
-    if p.dim() == 0:
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape it "
-            "to (1,) or pass it in ignored_params"
-        )
-    placement = None if shard_placement_fn is None else shard_placement_fn(p)
+def _shard_dim(p: nn.Parameter, fqn: str, placement: object, tp: TPLayout | None) -> int:
     if placement is None:
         if tp is None:
             return 0
@@ -526,7 +582,7 @@ def _shard_dim(
     if not isinstance(placement, Shard):
         raise FullyShardTypeError(
             f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; it must return "
-            "a torch.distributed.tensor.Shard(dim) or None"
+            "a torch.distributed.tensor.Shard(dim), a fully_shard.ShardPlacementResult or None"
         )
     dim = placement.dim
     if not -p.dim() <= dim < p.dim():

@@ -8,6 +8,11 @@ all-reduced over the replicate dim (HSDP).
 of n consecutive ones (node-local ranks when n is the number of devices per node) and creates
 their process groups, once per mesh.
 
+Per-parameter meshes: ``shard_placement_fn`` may return a :class:`ShardPlacementResult` that
+carries its own mesh (experts of a mixture of experts sharded over a sub-mesh, the rest over
+the whole one); :class:`MeshResolver` turns each answer into the ``MeshInfo`` of the group
+the parameter joins, one group per distinct mesh.
+
 Parameters that are already DTensors (tensor parallel, or on a full SPMD mesh with
 ``dp_mesh_dims``) are described in :mod:`fully_shard.spmd`.
 """
@@ -234,3 +239,97 @@ def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
     for i in range(len(size) - 2, -1, -1):
         stride[i] = stride[i + 1] * max(size[i + 1], 1)
     return tuple(stride)
+
+
+@dataclass(frozen=True)
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` returns to shard a parameter over a mesh of its own.
+
+    The parameters of one ``fully_shard`` call that name the same mesh form one group (one
+    all-gather, one reduce-scatter), the others stay with the call's ``mesh``: e.g. the
+    experts of a mixture-of-experts layer sharded over the ranks that hold the same experts,
+    the router over all ranks. torch 2.13's ``ShardPlacementResult(placement, mesh_info)``
+    is accepted too (read by duck typing: its ``mesh_info.mesh``).
+
+    Attributes:
+        placement: ``Shard(dim)``, or ``None`` for the default dim.
+        mesh: a 1-D (shard) or 2-D (replicate, shard: HSDP) mesh, like ``fully_shard``'s.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard
+        >>> from fully_shard import ShardPlacementResult
+        >>> def placement(p):  # doctest: +SKIP
+        ...     return ShardPlacementResult(Shard(0), expert_mesh) if p.dim() == 3 else None
+        >>> fully_shard(moe_layer, mesh=world, shard_placement_fn=placement)  # doctest: +SKIP
+    """
+
+    placement: Shard | None
+    mesh: DeviceMesh
+
+    def __post_init__(self) -> None:
+        if self.placement is not None and not isinstance(self.placement, Shard):
+            raise FullyShardTypeError(
+                f"ShardPlacementResult.placement must be a Shard(dim) or None, got "
+                f"{self.placement!r}"
+            )
+        if not isinstance(self.mesh, DeviceMesh):
+            raise FullyShardTypeError(
+                f"ShardPlacementResult.mesh must be a DeviceMesh, got {type(self.mesh).__name__}"
+            )
+
+
+class MeshResolver:
+    """Reads each answer of ``shard_placement_fn``: the placement, and the group's mesh info.
+
+    Meshes that compare equal share one ``MeshInfo`` (and so one group); the call's own mesh
+    is ``default``.
+
+    Example:
+        >>> resolver = MeshResolver(mesh_info(world))  # doctest: +SKIP
+        >>> result = ShardPlacementResult(Shard(0), sub)  # doctest: +SKIP
+        >>> placement, info = resolver.resolve(result, "experts.w1")  # doctest: +SKIP
+        >>> info.shard_size  # doctest: +SKIP
+        2
+    """
+
+    def __init__(self, default: MeshInfo) -> None:
+        self.default = default
+        self._infos: dict[DeviceMesh, MeshInfo] = {default.mesh: default}
+
+    def resolve(self, result: object, fqn: str) -> tuple[object, MeshInfo]:
+        """``(placement, info)`` for ``result``; a placement that is not ours to judge (not
+        ``Shard`` / ``None``) is passed on for the caller's error."""
+        mesh = _result_mesh(result, fqn)
+        if mesh is None:
+            return result, self.default
+        info = self._infos.get(mesh)
+        if info is None:
+            info = self._infos[mesh] = mesh_info(mesh)
+        return getattr(result, "placement", None), info
+
+
+def _result_mesh(result: object, fqn: str) -> DeviceMesh | None:
+    if isinstance(result, ShardPlacementResult):
+        return result.mesh
+    torch_info = getattr(result, "mesh_info", None)
+    if torch_info is None or not hasattr(result, "placement"):
+        return None
+    # torch's ShardPlacementResult(placement, mesh_info: FSDPMeshInfo / HSDPMeshInfo)
+    mesh = getattr(torch_info, "mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise FullyShardTypeError(
+            f"shard_placement_fn returned {result!r} for parameter {fqn!r}, whose mesh_info "
+            "has no DeviceMesh .mesh; return fully_shard.ShardPlacementResult(placement, mesh)"
+        )
+    want = (0, None) if mesh.ndim == 1 else (1, 0)
+    got = (
+        getattr(torch_info, "shard_mesh_dim", None),
+        getattr(torch_info, "replicate_mesh_dim", None),
+    )
+    if got != want:
+        raise FullyShardValueError(
+            f"shard_placement_fn returned a mesh_info for parameter {fqn!r} that shards mesh "
+            f"dim {got[0]} and replicates dim {got[1]} of {mesh}; fully_shard reads a 1-D mesh "
+            "as (shard) and a 2-D one as (replicate, shard): pass it in that order"
+        )
+    return mesh

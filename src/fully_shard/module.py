@@ -187,6 +187,19 @@ class FSDPModule(nn.Module):
         self._check_not_in_backward(f"set_requires_all_reduce({flag})")
         self._update_config(recurse, requires_all_reduce=flag)
 
+    def _check_one_group(self, call: str) -> None:
+        groups = self._fsdp_state.groups
+        if len(groups) > 1:
+            # One hook or comm for groups on different meshes would be ambiguous (torch
+            # refuses it too).
+            labels = ", ".join(repr(g.label) for g in groups)
+            raise FullyShardValueError(
+                f"{call} is not supported on a module whose parameters are sharded over "
+                f"{len(groups)} meshes (groups {labels}, from shard_placement_fn returning "
+                "ShardPlacementResult): it would be ambiguous across the meshes; shard those "
+                "parameters in a separate fully_shard call to set it per mesh"
+            )
+
     def _check_not_in_backward(self, call: str) -> None:
         root = self._fsdp_state.root
         if root is not None and root.in_backward:
@@ -324,6 +337,7 @@ class FSDPModule(nn.Module):
                 f"set_all_reduce_hook needs a callable hook(reduce_output) -> None, got "
                 f"{type(hook).__name__}"
             )
+        self._check_one_group("set_all_reduce_hook")
         given: object = stream  # checked as given: a caller may pass anything
         if given is not None:
             if not (
@@ -551,6 +565,7 @@ class FSDPModule(nn.Module):
             >>> model.set_custom_all_gather(MyAllGather())  # doctest: +SKIP
         """
         _check_comm("set_custom_all_gather", comm, "AllGather")
+        self._check_one_group("set_custom_all_gather")
         self._update_config(False, all_gather_comm=comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterLike) -> None:
@@ -567,6 +582,7 @@ class FSDPModule(nn.Module):
             >>> model.set_custom_reduce_scatter(MyReduceScatter())  # doctest: +SKIP
         """
         _check_comm("set_custom_reduce_scatter", comm, "ReduceScatter")
+        self._check_one_group("set_custom_reduce_scatter")
         self._update_config(False, reduce_scatter_comm=comm)
 
     # -- backward and optimizer ---------------------------------------------------------------
