@@ -6,10 +6,11 @@ runs: (2, 2, 1), (1, 2, 2), (2, 1, 2). Checked against
 
 - an unsharded replica (``check_parity``: loss, every gradient and every parameter over 5
   AdamW steps, 1e-5);
-- torch's ``fully_shard`` on the same scenario: with ``shard_placement_fn=Shard(0)`` every
-  parameter has torch's placements, mesh and local tensor exactly; by default the parameters
-  TP shards on dim 0 are sharded on their first free dim instead (documented in
-  docs/recipes/3d-meshes.md), every other one matches torch exactly;
+- torch's ``fully_shard`` on the same scenario, here and on the 2-D ``(dp, tp)`` mesh of
+  test_2d.py: with ``shard_placement_fn=Shard(0)`` every parameter has torch's placements,
+  mesh and local tensor exactly; by default the parameters TP shards on dim 0 are sharded on
+  their first free dim instead (documented in docs/recipes/2d-meshes.md), every other one
+  matches torch exactly;
 - DCP: saved at (2, 1, 2), loaded at (1, 2, 2), into 1-D FSDP at W = 2 and into a plain model
   at W = 1, after which training continues with the losses of the run that saved it.
 """
@@ -106,32 +107,55 @@ def _chunk(t: Tensor, n: int, dim: int, i: int) -> Tensor:
     return t.narrow(dim, lo, max(0, min(lo + c, size) - lo))
 
 
-def _layouts_vs_torch(shape: tuple[int, int, int], same_as_torch: bool) -> list[str]:
+LAYOUT_SHAPES = [(2, 2), *SHAPES]  # the 2-D (dp, tp) mesh of test_2d.py, and the 3-D ones
+
+
+def _meshes(shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, tuple[str, ...]]:
+    """(root, its data-parallel sub-mesh, its dim names) for a 2-D or a 3-D layout."""
+    if len(shape) == 2:
+        root = device_mesh(shape, ("dp", "tp"))
+        return root, root["dp"], ("dp", "tp")
+    root = device_mesh(shape, NAMES)
+    return root, root["replicate", "shard"], NAMES
+
+
+def _tp_then_fsdp(model: nn.Module, shape: tuple[int, ...], fsdp: Any, **options: Any) -> None:
+    assert isinstance(model, Transformer)
+    root, dp_mesh, _ = _meshes(shape)
+    apply_tp(model, root["tp"])
+    for block in model.layers:
+        fsdp(block, mesh=dp_mesh, **options)
+    fsdp(model, mesh=dp_mesh, **options)
+
+
+def _layouts_vs_torch(shape: tuple[int, ...], same_as_torch: bool) -> list[str]:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    root = _root(shape)
-    dp_mesh = root["replicate", "shard"]
+    root, _, names = _meshes(shape)
     torch.manual_seed(0)
     ours, theirs = Transformer(ARGS), Transformer(ARGS)
     theirs.load_state_dict(ours.state_dict())
     want = {n: p.detach().clone() for n, p in ours.named_parameters()}
     options = {"shard_placement_fn": _shard_dim0} if same_as_torch else {}
-    _shard_3d(ours, dp_mesh, shape=shape, **options)
-    _shard_3d(theirs, dp_mesh, shape=shape, fsdp=torch_fully_shard)  # torch's default: Shard(0)
-    shard_rank, tp_rank = root["shard"].get_local_rank(), root["tp"].get_local_rank()
+    _tp_then_fsdp(ours, shape, fully_shard, **options)
+    _tp_then_fsdp(theirs, shape, torch_fully_shard)  # torch's default: Shard(0)
+    dp_name = names[-2]
+    shard_rank, tp_rank = root[dp_name].get_local_rank(), root["tp"].get_local_rank()
+    dp_size, tp_size = shape[-2], shape[-1]
     theirs_params = dict(theirs.named_parameters())
     differing = []
     for name, p in ours.named_parameters():
         q = theirs_params[name]
         assert isinstance(p, DTensor) and isinstance(q, DTensor), name
-        assert p.device_mesh.mesh_dim_names == NAMES == q.device_mesh.mesh_dim_names, name
+        assert p.device_mesh.mesh_dim_names == names == q.device_mesh.mesh_dim_names, name
         assert p.device_mesh == q.device_mesh, name
         torch.testing.assert_close(p.full_tensor(), want[name], rtol=0, atol=0, msg=name)
         torch.testing.assert_close(q.full_tensor(), want[name], rtol=0, atol=0, msg=name)
-        rep, dp, tp = p.placements
-        assert rep == Replicate() and tp == q.placements[2], (name, p.placements)
-        # TP over one rank (shape[2] == 1) splits nothing: then dim 0 is free for us too.
-        tp_dim = tp.dim if isinstance(tp, Shard) and shape[2] > 1 else None
+        *rep, dp, tp = p.placements
+        assert rep == [Replicate()] * (len(shape) - 2), (name, p.placements)
+        assert tp == q.placements[-1], (name, p.placements)
+        # TP over one rank splits nothing: then dim 0 is free for us too.
+        tp_dim = tp.dim if isinstance(tp, Shard) and tp_size > 1 else None
         if same_as_torch or tp_dim != 0:
             assert p.placements == q.placements, (name, p.placements, q.placements)
             assert torch.equal(p.to_local(), q.to_local()), name
@@ -140,17 +164,20 @@ def _layouts_vs_torch(shape: tuple[int, int, int], same_as_torch: bool) -> list[
         differing.append(f"{name}: ours {p.placements}, torch {q.placements}")
         assert p.dim() == 2, (name, p.placements)
         assert dp == Shard(1), (name, p.placements)
-        assert type(q.placements[1]).__name__ == "_StridedShard", (name, q.placements)
-        expected = _chunk(_chunk(want[name], shape[2], 0, tp_rank), shape[1], 1, shard_rank)
+        assert type(q.placements[-2]).__name__ == "_StridedShard", (name, q.placements)
+        expected = _chunk(_chunk(want[name], tp_size, 0, tp_rank), dp_size, 1, shard_rank)
         torch.testing.assert_close(p.to_local(), expected, rtol=0, atol=0, msg=name)
+        # the same elements, split the other way: torch's rows of TP's rows
+        theirs_local = _chunk(_chunk(want[name], tp_size, 0, tp_rank), dp_size, 0, shard_rank)
+        torch.testing.assert_close(q.to_local(), theirs_local, rtol=0, atol=0, msg=name)
     return differing
 
 
 @needs_torch_fsdp2_on_cpu
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["x".join(map(str, s)) for s in LAYOUT_SHAPES])
 @pytest.mark.parametrize("same_as_torch", [True, False], ids=["shard-dim-0", "default"])
-def test_3d_placements_and_local_shards_match_torch(
-    shape: tuple[int, int, int], same_as_torch: bool
+def test_tp_fsdp_placements_and_local_shards_match_torch(
+    shape: tuple[int, ...], same_as_torch: bool
 ) -> None:
     differing = run_distributed(_layouts_vs_torch, 4, shape, same_as_torch)[0]
     if same_as_torch:
@@ -159,7 +186,7 @@ def test_3d_placements_and_local_shards_match_torch(
         # the weights TP shards on dim 0: wq, wk, wv, w1, w3 of each block, the output head
         # (column-parallel) and the embedding (row-parallel over the vocabulary); none when
         # TP runs over one rank
-        assert len(differing) == (5 * ARGS.n_layers + 2 if shape[2] > 1 else 0), differing
+        assert len(differing) == (5 * ARGS.n_layers + 2 if shape[-1] > 1 else 0), differing
 
 
 # -- checkpoints across layouts --------------------------------------------------------------
