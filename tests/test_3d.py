@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from fully_shard import fully_shard
 from harness import device_mesh, mesh_1d, run_distributed
 from models import ModelArgs, Transformer
 from parity import check_parity, loss_fn, make_token_batch, needs_torch_fsdp2_on_cpu
+from test_docs import _run_example
 from tp_plan import apply_tp
 
 SHAPES = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
@@ -273,3 +275,17 @@ def test_dcp_3d_loads_into_another_3d_layout_1d_fsdp_and_a_plain_model(tmp_path:
     for layout, world in (("3-D", 4), ("1-D", 2), ("plain", 1)):
         for got in run_distributed(_load_and_continue, world, path, layout, timeout=120):
             assert got == pytest.approx(want, abs=1e-5, rel=1e-5), (layout, got, want)
+
+
+# -- the example -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)], ids=["2x1x2", "1x2x2"])
+def test_train_llama_3d_example_at_4_ranks(shape: tuple[int, int, int]) -> None:
+    """examples/train_llama_3d.py on the warm 4-rank pool (tests/test_docs.py: 2 ranks)."""
+    argv = ["--steps", "3", "--shape", *map(str, shape)]
+    out = run_distributed(_run_example, 4, "train_llama_3d.py", argv, timeout=120)[0]
+    names = ", ".join(f"{n}={s}" for n, s in zip(NAMES, shape, strict=True))
+    assert f"mesh DeviceMesh(({names})" in out, out
+    diff = re.search(r"max \|3-D - unsharded\| over all parameters: (\S+)", out)
+    assert diff is not None and float(diff.group(1)) <= 1e-5, out

@@ -19,6 +19,7 @@ parameters step by step, same local shards). Ours also accepts torch's result ob
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -41,6 +42,7 @@ from fully_shard import (
 )
 from harness import device_mesh, run_distributed
 from parity import check_parity, make_float_batch, needs_torch_fsdp2_on_cpu
+from test_docs import _run_example
 from test_validation import assert_same, snapshot
 
 IN, DIM, HIDDEN, EXPERTS, OUT = 7, 8, 12, 4, 5
@@ -373,3 +375,11 @@ class _Comm:
 def test_bad_per_param_meshes_are_refused_before_anything_changes() -> None:
     messages = run_distributed(_bad_cases, 4)[0]
     assert len(messages) == 6
+
+
+def test_moe_example_at_4_ranks() -> None:
+    """examples/moe_experts.py on the warm 4-rank pool: EP 2 x expert-FSDP 2."""
+    out = run_distributed(_run_example, 4, "moe_experts.py", ["--steps", "3"], timeout=120)[0]
+    assert "moe: 2 groups, sharded over 4 ranks (router.weight, router.bias), 2 ranks" in out
+    diff = re.search(r"max \|sharded - unsharded\| over all parameters: (\S+)", out)
+    assert diff is not None and float(diff.group(1)) <= 1e-5, out
