@@ -232,17 +232,24 @@ def _copy_reference_from(reference: nn.Module, sharded: nn.Module) -> None:
             ref_b.copy_(_full(buffers[name]))
 
 
-def _data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None]:
-    """(number of data-parallel ranks, this rank's index among them, their group)."""
+def _data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None, int]:
+    """(number of data-parallel ranks, this rank's index among them, the group to sum losses
+    over, how many ranks that sum covers).
+
+    A 2-D (replicate, shard) mesh that does not span the default group is the data-parallel
+    part of a larger mesh (HSDP + TP): the ranks outside it (this rank's TP peers) see the same
+    batch and compute the same loss, so the sum runs over every rank and is divided by all.
+    """
     if mesh.ndim == 1:
-        return mesh.size(), mesh.get_local_rank(), mesh.get_group()
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"a {mesh.ndim}-D mesh of {mesh.size()} ranks must span the whole default group "
-            f"of {dist.get_world_size()} ranks"
-        )
+        return mesh.size(), mesh.get_local_rank(), mesh.get_group(), mesh.size()
     flat = mesh.mesh.flatten().tolist()  # ranks in data order
-    return len(flat), flat.index(dist.get_rank()), None
+    world = dist.get_world_size()
+    if world % mesh.size() != 0:
+        raise ValueError(
+            f"a {mesh.ndim}-D mesh of {mesh.size()} ranks must tile the default group of "
+            f"{world} ranks"
+        )
+    return len(flat), flat.index(dist.get_rank()), None, world
 
 
 def check_parity(
@@ -276,8 +283,9 @@ def check_parity(
             with `n_rows = W * grad_accum * local_batch` and a generator seeded the same on
             every rank, so all ranks see the same global batch and each takes its own slice.
         mesh: the data-parallel mesh passed to `shard`. 1-D: its W ranks split the batch. A
-            2-D (replicate, shard) HSDP mesh must span the whole default group; then all its
-            ranks split the batch, in the order of `mesh.mesh.flatten()`.
+            2-D (replicate, shard) HSDP mesh: its ranks split the batch, in the order of
+            `mesh.mesh.flatten()`; if it spans only part of the default group (HSDP + TP on a
+            3-D mesh), the other ranks of the job are TP peers seeing the same rows.
         loss: `loss(model(inputs), targets)`, a mean over the rows (see `loss_fn`).
         steps: optimizer steps.
         local_batch: rows per micro-batch per rank.
@@ -310,7 +318,7 @@ def check_parity(
             f"steps={steps}, local_batch={local_batch}, grad_accum={grad_accum} "
             "must all be positive"
         )
-    world, rank, group = _data_parallel_coordinates(mesh)
+    world, rank, group, summed_over = _data_parallel_coordinates(mesh)
 
     torch.manual_seed(seed)
     model = build_model()
@@ -374,7 +382,7 @@ def check_parity(
             torch.autograd.backward(micro_loss / grad_accum)
             local_loss += micro_loss.detach().double() / grad_accum
         dist.all_reduce(local_loss, group=group)  # sum over ranks
-        mean_loss = local_loss / world
+        mean_loss = local_loss / summed_over
 
         stats["ref_losses"].append(ref_loss.item())
         stats["max_loss_diff"] = max(
@@ -416,7 +424,7 @@ def check_parity(
             if not isinstance(p, DTensor):
                 # Unsharded (ignored) parameter: the engine leaves its gradient local.
                 dist.all_reduce(p.grad, group=group)
-                p.grad.div_(world)
+                p.grad.div_(summed_over)
             grad = _full(p.grad)
             stats["max_grad_diff"] = max(
                 stats["max_grad_diff"],

@@ -305,8 +305,9 @@ def _bad_2d_case(name: str) -> str:
         pair, mesh, error = _tp_pair(root["tp"], root["tp"]), mesh_1d(), FullyShardValueError
         words = ("'a.weight'", "not a sub-mesh", "mesh_dim_names")
     elif name == "the whole 2-D parent instead of its dp dim":
+        # Read as HSDP (replicate=dp, shard=tp): its shard dim is the parameters' TP dim.
         pair, mesh = _tp_pair(root["tp"], root["tp"]), root
-        error, words = FullyShardNotImplementedError, ("'a.weight'", "HSDP", 'root["dp"]')
+        error, words = FullyShardValueError, ("'a.weight'", "same dims", 'root["dp"]')
     elif name == "parameters on different meshes in one group":
         pair, mesh, error = _tp_pair(root["tp"], other["y"]), root["dp"], FullyShardValueError
         words = ("different meshes", "'a.weight'", "'b.weight'", "separate")
@@ -346,7 +347,7 @@ def _strided_split_on_a_torch_without_uneven_support() -> str:
     root = _root()
     pair = _tp_pair(root["tp"], root["tp"])  # a.weight (6, 4): TP rows 3 + 3, then dp: uneven
     before = snapshot(pair)
-    with mock.patch("fully_shard.mesh.strided_shard_handles_uneven", return_value=False):
+    with mock.patch("fully_shard.spmd.strided_shard_handles_uneven", return_value=False):
         with pytest.raises(FullyShardNotImplementedError) as info:
             fully_shard(pair, mesh=root["dp"], shard_placement_fn=_same_dim)
         assert_same(before, snapshot(pair))

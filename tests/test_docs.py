@@ -65,6 +65,10 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "desync.py": ([], r"step 1: rank 0: collectives diverged .* 'layers\.2'"),
     # 2 ranks: TP 2 x DP 1 (tests/test_example_2d.py runs 2 x 2 under torchrun)
     "train_llama_2d.py": (["--steps", "3"], r"max \|2-D - unsharded\| over all parameters"),
+    # 2 ranks: 1 x 1 x 2 (tests/test_3d.py runs 2 x 1 x 2 and 1 x 2 x 2 on 4 ranks)
+    "train_llama_3d.py": (["--steps", "3"], r"max \|3-D - unsharded\| over all parameters"),
+    # 2 ranks: EP 2 x expert-FSDP 1 (tests/test_per_param_mesh.py runs 2 x 2 on 4 ranks)
+    "moe_experts.py": (["--steps", "3"], r"max \|sharded - unsharded\| over all parameters"),
     # tests/test_resume.py kills and restarts it under torchrun
     "train_resumable.py": (
         ["--steps", "4", "--ckpt-every", "2", "--ckpt-dir", "{tmp}", "--out", "{tmp}/final.pt"],

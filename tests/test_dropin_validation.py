@@ -292,12 +292,8 @@ def test_bad_method_input(index: int) -> None:
 
 def _dp_mesh_dims_cases() -> None:
     for value, error, builtin, match in (
-        (
-            DataParallelMeshDims(shard="dp"),
-            FullyShardNotImplementedError,
-            NotImplementedError,
-            "not supported yet",
-        ),
+        # mesh_1d() has no dim names to look "dp" up in (tests/test_dp_mesh_dims.py: the rest)
+        (DataParallelMeshDims(shard="dp"), FullyShardValueError, ValueError, "mesh_dim_names"),
         ("dp", FullyShardTypeError, TypeError, "DataParallelMeshDims or None"),
     ):
         model = Net()

@@ -19,6 +19,7 @@ from .errors import (
     FullyShardTypeError,
     FullyShardValueError,
 )
+from .mesh import ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import (
     CPUOffloadPolicy,
@@ -47,6 +48,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",
+    "ShardPlacementResult",
     "TorchComm",
     "UnshardHandle",
     "debug",

@@ -145,3 +145,33 @@ def backend_allocate(
         return None
     out: torch.Tensor = backend.allocate_tensor(numel, dtype=dtype, device=device)
     return out
+
+
+def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The dims ``names`` of ``mesh`` flattened into one 1-D mesh, named ``"_".join(names)``.
+
+    ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard=("dp_shard", "cp")))`` shards
+    over those dims as one (torch 2.13's semantics). Only ``DeviceMesh._flatten`` builds that
+    dim (and its process group, a collective; torch caches it, so a second call with the same
+    names returns the same mesh); torch's FSDP2 calls the same method. 2.6 and 2.13 have it.
+    """
+    flattened: DeviceMesh = mesh[names]._flatten("_".join(names))
+    return flattened
+
+
+def can_concatenate_meshes() -> bool:
+    """Whether :func:`concatenate_meshes` works on this torch (2.13 has it; 2.6 does not)."""
+    return callable(getattr(DeviceMesh, "_concatenate", None))
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (sub-meshes of one root, some flattened).
+
+    The sharded DTensors of ``dp_mesh_dims`` with a tuple of dims live on the full mesh with
+    that tuple replaced by its flattened dim; no slicing of the root names such a mesh (slicing
+    a flattened dim from the root is deprecated in 2.13). ``DeviceMesh._concatenate`` (2.13;
+    torch's FSDP2 builds the same meshes with it) reuses the dims' process groups and creates
+    none. Check :func:`can_concatenate_meshes` first.
+    """
+    concatenated: DeviceMesh = DeviceMesh._concatenate(meshes)
+    return concatenated

@@ -30,19 +30,31 @@ from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
 from .mesh import (
     MeshInfo,
-    TPLayout,
-    check_strided_split,
+    MeshResolver,
+    ShardPlacementResult,
     default_mesh,
     mesh_info,
     post_forward_subgroup,
-    tp_layout,
-    tp_sharded_dims,
 )
 from .module import FSDPModule
 from .param import ShardedParam
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .spmd import (
+    SPMDMesh,
+    SPMDPlan,
+    TPLayout,
+    build_spmd_mesh,
+    check_dp_mesh_dims,
+    check_spmd_param,
+    check_strided_split,
+    spmd_layout,
+    tp_layout,
+    tp_sharded_dims,
+)
 
 M = TypeVar("M", bound=nn.Module)
+ShardPlacement = Shard | ShardPlacementResult | None
+"""What ``shard_placement_fn`` returns (torch 2.13's ``ShardPlacementResult`` works too)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,8 @@ class _ParamPlan:
     fqn: str
     slots: list[tuple[nn.Module, str]]
     shard_dim: int
-    tp: TPLayout | None  # set for a tensor-parallel DTensor parameter
+    tp: TPLayout | None  # set for a parameter that already is a DTensor
+    info: MeshInfo  # the mesh of the group it joins (shard_placement_fn may choose one)
 
 
 @functools.cache
@@ -72,7 +85,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -86,7 +99,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -99,7 +112,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
@@ -118,8 +131,10 @@ def fully_shard(
         module: a module, or a list of modules that form one group.
         mesh: a 1-D mesh (shard) or 2-D mesh (replicate, shard: HSDP). ``None``: a 1-D mesh
             over the default process group. Parameters that are already tensor-parallel
-            DTensors on ``root["tp"]`` need ``mesh=root["dp"]`` of the same named 2-D mesh;
-            they become DTensors on ``root`` (see docs/recipes/2d-meshes.md).
+            DTensors on ``root["tp"]`` need the data-parallel dims of the same named mesh:
+            ``mesh=root["dp"]`` (2-D root) or ``mesh=root["replicate", "shard"]`` (HSDP + TP
+            on a 3-D root); they become DTensors on the mesh of those dims and ``"tp"``
+            (see docs/recipes/2d-meshes.md and docs/recipes/3d-meshes.md).
         reshard_after_forward: ``True`` frees the gathered parameters after forward and
             gathers them again for backward (less memory, one more all-gather); ``False``
             keeps them until after backward; ``None``: ``False`` for the root, ``True`` for
@@ -134,13 +149,20 @@ def fully_shard(
             ``n``-rank groups, once per mesh: call it on every rank. Not with
             tensor-parallel parameters (nor in torch).
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use, or ``None`` for
-            ``Shard(0)``.
+            the default (``Shard(0)``; for a DTensor parameter the first dim its own
+            placements leave whole), or a :class:`ShardPlacementResult` ``(placement,
+            mesh)`` to shard it over a mesh of its own: the parameters naming one mesh form
+            one more group of this call (per-parameter meshes, e.g. the experts of a
+            mixture of experts; see docs/recipes/per-param-meshes.md).
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
-        dp_mesh_dims: torch 2.13's way of naming the data-parallel dims of a full SPMD mesh
-            (a :class:`DataParallelMeshDims`). Only ``None`` is supported yet; a
-            ``DataParallelMeshDims`` raises ``FullyShardNotImplementedError``.
+        dp_mesh_dims: torch 2.13's full-SPMD-mesh mode (a :class:`DataParallelMeshDims`):
+            ``mesh`` is then the whole mesh, every parameter already a DTensor on it with
+            ``Replicate()`` on the dims named here; we shard over ``shard`` and replicate over
+            ``replicate`` (a tuple of dims is flattened into one), keeping the parameters'
+            own placements on the other dims (see docs/recipes/3d-meshes.md). Not with an
+            int ``reshard_after_forward`` (nor in torch).
 
     Returns:
         ``module``, its class swapped to an ``FSDPModule`` subclass.
@@ -153,13 +175,21 @@ def fully_shard(
         >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> optim = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
     """
-    _check_dp_mesh_dims(dp_mesh_dims)
+    spmd_plan = _check_dp_mesh_dims(dp_mesh_dims, mesh, reshard_after_forward)
     modules = _check_modules(module)
-    info = _resolve_mesh(mesh)
-    reshard_flag, post_forward_size = _check_reshard_after_forward(reshard_after_forward, info)
+    info: MeshInfo | None = None
+    if spmd_plan is None:
+        info = _resolve_mesh(mesh)
+        shard_size = info.shard_size
+    else:
+        shard_size = spmd_plan.shard_size
+    reshard_flag, post_forward_size = _check_reshard_after_forward(
+        reshard_after_forward, shard_size
+    )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise FullyShardTypeError(
-            f"shard_placement_fn must be a callable (param -> Shard | None), got "
+            f"shard_placement_fn must be a callable (param -> Shard | ShardPlacementResult | "
+            f"None), got "
             f"{type(shard_placement_fn).__name__}"
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -173,42 +203,63 @@ def fully_shard(
             f"got {type(offload_policy).__name__}"
         )
     ignored = _check_ignored(ignored_params, modules)
-    plans = _plan_params(modules, ignored, shard_placement_fn, info)
-    _check_params(plans, info, mp_policy)
-    _check_post_forward_plans(post_forward_size, plans)
+    found = _collect_params(modules, ignored)
+    spmd: SPMDMesh | None = None
+    if spmd_plan is not None:
+        for param, fqn, _ in found:
+            check_spmd_param(spmd_plan, param, fqn)
+        # Flattening a tuple of dims creates process groups (collective). What is checked
+        # after this depends only on the model and the arguments, the same on every rank.
+        spmd = build_spmd_mesh(spmd_plan)
+        info = spmd.info
+    if info is None:
+        raise RuntimeError("fully_shard resolved no mesh (internal error)")
+    plans = _plan_params(found, shard_placement_fn, info, spmd)
+    grouped = _group_plans(plans, info)
+    post_forward_sizes = []
+    for group_info, group_plans in grouped:
+        _check_params(group_plans, group_info, mp_policy)
+        size = post_forward_size
+        if group_info is not info:  # a mesh of its own: reshard_after_forward=n must divide it
+            _, size = _check_reshard_after_forward(
+                reshard_after_forward, group_info.shard_size, warn=False
+            )
+        _check_post_forward_plans(size, group_plans)
+        post_forward_sizes.append(size)
 
     # -- every check passed: from here on the module changes --------------------------------
     check_from_environment()  # FULLY_SHARD_CHECK_COLLECTIVES=1: the desync checker, job-wide
-    # Creating process groups is collective: only now, when no rank can still refuse the call.
-    post_forward = (
-        None if post_forward_size is None else post_forward_subgroup(info, post_forward_size)
-    )
-    shard_device = offload_policy.shard_device(info.device)
     pin = offload_policy.use_pinned_memory() and torch.cuda.is_available()
-    params = [
-        ShardedParam(
-            plan.param,
-            plan.slots,
-            plan.fqn,
-            plan.shard_dim,
-            info,
-            shard_device,
-            pin,
-            mp_policy,
-            plan.tp,
+    groups = []
+    for (group_info, group_plans), size in zip(grouped, post_forward_sizes, strict=True):
+        # Creating process groups is collective: only now, when no rank can still refuse.
+        post_forward = None if size is None else post_forward_subgroup(group_info, size)
+        shard_device = offload_policy.shard_device(group_info.device)
+        params = [
+            ShardedParam(
+                plan.param,
+                plan.slots,
+                plan.fqn,
+                plan.shard_dim,
+                group_info,
+                shard_device,
+                pin,
+                mp_policy,
+                plan.tp,
+            )
+            for plan in group_plans
+        ]
+        for p in params:
+            p.register(p.sharded_param)
+        config = GroupConfig(
+            reshard_after_forward=reshard_flag,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            post_forward=post_forward,
         )
-        for plan in plans
-    ]
-    for p in params:
-        p.register(p.sharded_param)
-    config = GroupConfig(
-        reshard_after_forward=reshard_flag,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        post_forward=post_forward,
-    )
-    group = ParamGroup(params, modules, info, config, TorchComm())
-    state = FSDPState(group, modules, {id(plan.param): weakref.ref(plan.param) for plan in plans})
+        groups.append(ParamGroup(params, modules, group_info, config, TorchComm()))
+    originals = {id(plan.param): weakref.ref(plan.param) for plan in plans}
+    state = FSDPState(tuple(groups), modules, originals)
     state.install()
     _install_state_dict_hooks(state)
     for m in modules:
@@ -218,20 +269,23 @@ def fully_shard(
     return module
 
 
-def _check_dp_mesh_dims(dp_mesh_dims: object) -> None:
+def _check_dp_mesh_dims(
+    dp_mesh_dims: object, mesh: object, reshard_after_forward: object
+) -> SPMDPlan | None:
     if dp_mesh_dims is None:
-        return
-    if isinstance(dp_mesh_dims, DataParallelMeshDims):
-        raise FullyShardNotImplementedError(
-            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) (parameters that are already "
-            "DTensors on a full SPMD mesh) is not supported yet; pass the data-parallel "
-            'sub-mesh instead, e.g. mesh=root["dp"] (1-D) or mesh=root["dp_rep", "dp_shard"] '
-            "(HSDP), and leave dp_mesh_dims=None"
+        return None
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise FullyShardTypeError(
+            f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims or None, got "
+            f"{type(dp_mesh_dims).__name__}"
         )
-    raise FullyShardTypeError(
-        f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims or None, got "
-        f"{type(dp_mesh_dims).__name__}"
-    )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise FullyShardNotImplementedError(
+            f"reshard_after_forward={reshard_after_forward} (an int) with dp_mesh_dims is not "
+            "supported (nor by torch's fully_shard); pass True or False"
+        )
+    _check_mesh_device(mesh)
+    return check_dp_mesh_dims(mesh, dp_mesh_dims)
 
 
 def _install_state_dict_hooks(state: FSDPState) -> None:
@@ -243,13 +297,13 @@ def _install_state_dict_hooks(state: FSDPState) -> None:
     first (outside backward, where the gathered parameters are still needed); the next
     forward or backward gathers again.
     """
-    group = state.group
 
     def to_sharded(*args: object, **kwargs: object) -> None:
         if state.root is None or not state.root.in_backward:
-            group.reshard()
+            for group in state.groups:
+                group.reshard()
 
-    modules = {id(m): m for p in group.params for m, _ in p.slots}
+    modules = {id(m): m for p in state.params for m, _ in p.slots}
     for m in modules.values():
         # Both public since torch 2.5; torch's stubs leave them untyped.
         m.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
@@ -305,6 +359,11 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
 
 
 def _resolve_mesh(mesh: object) -> MeshInfo:
+    _check_mesh_device(mesh)
+    return mesh_info(default_mesh() if mesh is None else mesh)
+
+
+def _check_mesh_device(mesh: object) -> None:
     if isinstance(mesh, DeviceMesh) and mesh.device_type != "cpu":
         # Checked here: reading the compute device of such a mesh fails inside torch with a
         # message that does not mention the mesh.
@@ -317,11 +376,13 @@ def _resolve_mesh(mesh: object) -> MeshInfo:
                 "init_device_mesh('cpu', ...) to run on CPU with gloo, or start the ranks on a "
                 f"machine with {kind} devices"
             )
-    return mesh_info(default_mesh() if mesh is None else mesh)
 
 
-def _check_reshard_after_forward(value: object, info: MeshInfo) -> tuple[bool | None, int | None]:
-    """(the bool flag, the post-forward group size or None) that ``value`` means.
+def _check_reshard_after_forward(
+    value: object, world: int, *, warn: bool = True
+) -> tuple[bool | None, int | None]:
+    """(the bool flag, the post-forward group size or None) that ``value`` means for a shard
+    world of ``world`` ranks (``warn``: about ``n == 1``, once per call).
 
     As in torch: an int n reshards after forward to groups of n shard ranks; n == 1 keeps
     the parameters whole (``False``, with a warning), n == the shard world is ``True``.
@@ -333,13 +394,14 @@ def _check_reshard_after_forward(value: object, info: MeshInfo) -> tuple[bool | 
             f"reshard_after_forward must be a bool, an int or None, got {value!r} "
             f"({type(value).__name__})"
         )
-    world = info.shard_size
     if value < 1 or value > world or world % value != 0:
         raise FullyShardValueError(
             f"reshard_after_forward={value} must divide the shard world size {world} "
             f"(1 <= n <= {world}); pass True, False or a divisor of {world}"
         )
     if value == 1:
+        if not warn:
+            return False, None
         warnings.warn(
             "reshard_after_forward=1 (an int) reshards to groups of 1 rank, which keeps every "
             "parameter whole after forward, like reshard_after_forward=False; pass False to "
@@ -397,7 +459,7 @@ def _owned_elsewhere(
         for m in top.modules():
             if isinstance(m, FSDPModule):
                 state = m._fsdp_state
-                for p in state.group.params:
+                for p in state.params:
                     owned.add(id(p.sharded_param))
                     if p.unsharded_param is not None:
                         owned.add(id(p.unsharded_param))
@@ -405,12 +467,12 @@ def _owned_elsewhere(
     return owned, originals
 
 
-def _plan_params(
-    modules: tuple[nn.Module, ...],
-    ignored: set[nn.Parameter],
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    info: MeshInfo,
-) -> list[_ParamPlan]:
+_Found = tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]
+"""A parameter to shard: (the parameter, its qualified name, every (module, name) holding it)."""
+
+
+def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[_Found]:
+    """The parameters this call owns: not ignored, not owned by an earlier call."""
     owned, originals = _owned_elsewhere(modules)
     ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]] = {}
@@ -435,41 +497,82 @@ def _plan_params(
                 if id(p) not in found:
                     found[id(p)] = (p, fqn, [])
                 found[id(p)][2].append((m, name))
+    return list(found.values())
+
+
+def _plan_params(
+    found: list[_Found],
+    shard_placement_fn: Callable[[nn.Parameter], object] | None,
+    info: MeshInfo,
+    spmd: SPMDMesh | None,
+) -> list[_ParamPlan]:
+    resolver = MeshResolver(info)
+    chosen: list[tuple[object, MeshInfo]] = []
+    for p, fqn, _ in found:
+        if p.dim() == 0:
+            raise FullyShardValueError(
+                f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape "
+                "it to (1,) or pass it in ignored_params"
+            )
+        result = None if shard_placement_fn is None else shard_placement_fn(p)
+        placement, param_info = resolver.resolve(result, fqn)
+        if spmd is not None and param_info is not info:
+            raise FullyShardNotImplementedError(
+                f"shard_placement_fn returned a mesh of its own for parameter {fqn!r} and "
+                "dp_mesh_dims is set; per-parameter meshes work with a data-parallel mesh= "
+                "(without dp_mesh_dims) only"
+            )
+        chosen.append((placement, param_info))
+    by_mesh: dict[int, list[tuple[nn.Parameter, str]]] = {}
+    for (p, fqn, _), (_, param_info) in zip(found, chosen, strict=True):
+        by_mesh.setdefault(id(param_info), []).append((p, fqn))
+    for members in by_mesh.values():
+        _check_one_dtensor_mesh(members)
+    plans = []
+    for (p, fqn, slots), (placement, param_info) in zip(found, chosen, strict=True):
+        tp: TPLayout | None = None
+        if spmd is not None and isinstance(p, DTensor):
+            tp = spmd_layout(spmd, p)
+        elif isinstance(p, DTensor):
+            tp = tp_layout(param_info, p, fqn)
+        dim = _shard_dim(p, fqn, placement, tp)
+        if tp is not None:
+            check_strided_split(tp, dim, param_info.shard_size, fqn)
+        plans.append(_ParamPlan(p, fqn, slots, dim, tp, param_info))
+    return plans
+
+
+def _group_plans(
+    plans: list[_ParamPlan], default: MeshInfo
+) -> list[tuple[MeshInfo, list[_ParamPlan]]]:
+    """One group per mesh: the call's own first (kept even if empty when it is the only one),
+    then the meshes ``shard_placement_fn`` chose, in the order their parameters came."""
+    by_mesh: dict[int, tuple[MeshInfo, list[_ParamPlan]]] = {id(default): (default, [])}
+    for plan in plans:
+        by_mesh.setdefault(id(plan.info), (plan.info, []))[1].append(plan)
+    grouped = list(by_mesh.values())
+    if len(grouped) > 1 and not grouped[0][1]:
+        grouped = grouped[1:]
+    return grouped
+
+
+def _check_one_dtensor_mesh(members: list[tuple[nn.Parameter, str]]) -> None:
     # One group is gathered by one collective: its DTensor parameters must share one mesh.
-    tp_meshes: dict[DeviceMesh, str] = {}
-    for p, fqn, _ in found.values():
+    meshes: dict[DeviceMesh, str] = {}
+    for p, fqn in members:
         if isinstance(p, DTensor):
-            tp_meshes.setdefault(p.device_mesh, fqn)
-    if len(tp_meshes) > 1:
-        (first_mesh, first_fqn), (other_mesh, other_fqn) = list(tp_meshes.items())[:2]
+            meshes.setdefault(p.device_mesh, fqn)
+    if len(meshes) > 1:
+        (first_mesh, first_fqn), (other_mesh, other_fqn) = list(meshes.items())[:2]
         raise FullyShardValueError(
             f"the DTensor parameters of one fully_shard group are on different meshes: "
             f"{first_fqn!r} on {first_mesh} and {other_fqn!r} on {other_mesh}; parallelize "
             "the modules of one group on one tensor-parallel mesh, or shard them in separate "
             "fully_shard calls"
         )
-    plans = []
-    for p, fqn, slots in found.values():
-        tp = tp_layout(info, p, fqn) if isinstance(p, DTensor) else None
-        dim = _shard_dim(p, fqn, shard_placement_fn, tp)
-        if tp is not None:
-            check_strided_split(tp, dim, info.shard_size, fqn)
-        plans.append(_ParamPlan(p, fqn, slots, dim, tp))
-    return plans
 
 
-def _shard_dim(
-    p: nn.Parameter,
-    fqn: str,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    tp: TPLayout | None,
-) -> int:
-    if p.dim() == 0:
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape it "
-            "to (1,) or pass it in ignored_params"
-        )
-    placement = None if shard_placement_fn is None else shard_placement_fn(p)
+def _shard_dim(p: nn.Parameter, fqn: str, placement: object, tp: TPLayout | None) -> int:
     if placement is None:
         if tp is None:
             return 0
@@ -480,7 +583,7 @@ def _shard_dim(
     if not isinstance(placement, Shard):
         raise FullyShardArgumentTypeError(
             f"shard_placement_fn returned {placement!r} for parameter {fqn!r}; it must return "
-            "a torch.distributed.tensor.Shard(dim) or None"
+            "a torch.distributed.tensor.Shard(dim), a fully_shard.ShardPlacementResult or None"
         )
     dim = placement.dim
     if not -p.dim() <= dim < p.dim():

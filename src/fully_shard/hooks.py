@@ -1,7 +1,8 @@
 """Runtime: the hooks that decide *when* a group gathers, frees and reduces.
 
-Per ``fully_shard`` call there is one :class:`FSDPState` (its group plus its place in the
-iteration). Hooks, in the order one training step meets them:
+Per ``fully_shard`` call there is one :class:`FSDPState`: its groups (one per mesh the call's
+parameters are sharded over; usually one) plus its place in the iteration. Every hook acts on
+all of a state's groups, in order. Hooks, in the order one training step meets them:
 
 1. forward pre-hook: the first one ever makes its module the root (lazy init: the root finds
    every state below it); then unshard the group, and pass the module's inputs that need a
@@ -36,10 +37,11 @@ records the same order, so every rank issues the same collectives in the same or
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -48,8 +50,9 @@ from torch import nn
 
 from ._compat import inside_backward, queue_end_of_backward, will_run_in_this_backward
 from .errors import FullyShardStateError
-from .group import GroupState, ParamGroup
+from .group import GroupConfig, GroupState, ParamGroup
 from .observer import SpanKind
+from .param import ShardedParam
 
 
 class Phase(enum.Enum):
@@ -108,13 +111,22 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+@contextlib.contextmanager
+def _spans(groups: tuple[ParamGroup, ...], kind: SpanKind) -> Iterator[None]:
+    """Every group's ``kind`` span around a block (ended in reverse, also when it raises)."""
+    with contextlib.ExitStack() as stack:
+        for group in groups:
+            stack.enter_context(group.span(kind))
+        yield
+
+
 def _labelled(kind: SpanKind) -> Callable[[_F], _F]:
-    """Run a hook body inside the group's ``kind`` span (profiler labels, tools)."""
+    """Run a hook body inside the state's groups' ``kind`` span (profiler labels, tools)."""
 
     def wrap(hook: _F) -> _F:
         @functools.wraps(hook)
         def run(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
-            with self.group.span(kind):
+            with _spans(self.groups, kind):
                 return hook(self, *args, **kwargs)
 
         return run  # type: ignore[return-value]  # same signature as hook
@@ -148,8 +160,9 @@ class _RootIteration:
     forward_running: bool = False  # between the root's forward pre- and post-hook
     in_backward: bool = False
     callback_queued: bool = False
-    # The one group whose reduce-scatter may still be in flight (bounds gradient memory).
-    reducing: ParamGroup | None = None
+    # The groups (of one state) whose reduce-scatters may still be in flight (bounds
+    # gradient memory).
+    reducing: tuple[ParamGroup, ...] = ()
 
 
 @dataclass
@@ -197,22 +210,44 @@ def _assign_implicit_prefetch(ctx: RootContext) -> None:
         state._next_in_backward = ends[i - 1 : i] if i > 0 else []
 
 
+def group_labels(base: str, groups: tuple[ParamGroup, ...]) -> list[str]:
+    """The label of each of one state's groups: ``base`` (its modules' names) for a single
+    group; with several (per-parameter meshes), ``base@<shard dim name>`` for each but the
+    first, made unique with ``#i`` where two meshes name their shard dim alike.
+
+    Example:
+        >>> group_labels("layers.0", (dense, experts))  # doctest: +SKIP
+        ['layers.0', 'layers.0@ep']
+    """
+    labels = [base]
+    for i, group in enumerate(groups[1:], start=1):
+        names = group.info.mesh.mesh_dim_names
+        dim = names[group.info.shard_mesh_dim] if names else f"mesh{i}"
+        label = f"{base}@{dim}"
+        labels.append(label if label not in labels else f"{label}#{i}")
+    return labels
+
+
 class FSDPState:
-    """The runtime of one ``fully_shard`` call: its group, its phase, its hooks.
+    """The runtime of one ``fully_shard`` call: its groups, its phase, its hooks.
 
     Example:
         >>> state = model._fsdp_state  # doctest: +SKIP
-        >>> state.is_root, state.phase  # doctest: +SKIP
-        (True, <Phase.IDLE: 'idle'>)
+        >>> state.is_root, state.phase, len(state.groups)  # doctest: +SKIP
+        (True, <Phase.IDLE: 'idle'>, 1)
     """
 
     def __init__(
         self,
-        group: ParamGroup,
+        groups: tuple[ParamGroup, ...],
         modules: tuple[nn.Module, ...],
         original_params: dict[int, weakref.ref[nn.Parameter]],
     ) -> None:
-        self.group = group
+        if not groups:
+            raise RuntimeError("a fully_shard state needs at least one group (internal error)")
+        # One group per mesh the call's parameters are sharded over (per-parameter meshes
+        # through shard_placement_fn); the call's own mesh first.
+        self.groups = groups
         self.modules = modules
         # The parameters as they were before sharding: a tie to one of them from outside this
         # group would silently untie, so later fully_shard calls refuse it. Keyed by id, held
@@ -234,7 +269,33 @@ class FSDPState:
         self._forward_iter = -1  # the root forward in which this group's forward last ran
 
     def __repr__(self) -> str:
-        return f"FSDPState(root={self.is_root}, {self.phase.name}, {self.group!r})"
+        groups = ", ".join(repr(g) for g in self.groups)
+        return f"FSDPState(root={self.is_root}, {self.phase.name}, {groups})"
+
+    @property
+    def group(self) -> ParamGroup:
+        """The state's only group; with several (per-parameter meshes) use :attr:`groups`."""
+        if len(self.groups) != 1:
+            raise FullyShardStateError(
+                f"this fully_shard state has {len(self.groups)} groups (parameters on "
+                "several meshes); iterate state.groups instead of reading state.group "
+                "(internal error)"
+            )
+        return self.groups[0]
+
+    @property
+    def params(self) -> list[ShardedParam]:
+        """Every managed parameter of the state, group by group."""
+        return [p for group in self.groups for p in group.params]
+
+    def sharded_versions(self) -> list[tuple[int, int]]:
+        """:meth:`ParamGroup.sharded_versions` of every group, concatenated."""
+        return [v for group in self.groups for v in group.sharded_versions()]
+
+    @property
+    def config(self) -> GroupConfig:
+        """The options the state's groups share (``set_*`` changes them all alike)."""
+        return self.groups[0].config
 
     # -- installation and lazy init ----------------------------------------------------------
 
@@ -250,7 +311,7 @@ class FSDPState:
 
     @property
     def reshard_after_forward(self) -> bool:
-        flag = self.group.config.reshard_after_forward
+        flag = self.config.reshard_after_forward
         return (not self.is_root) if flag is None else flag
 
     def lazy_init(self) -> None:
@@ -272,8 +333,10 @@ class FSDPState:
             state.is_root = state is self
             state._next_in_forward, state._next_in_backward = [], []  # the new root records
             # Qualified names under the root ("root" for the root module itself), as in trace.
-            state.group.label = "+".join(names.get(id(m)) or "root" for m in state.modules)
-            state.group.lazy_init()
+            base = "+".join(names.get(id(m)) or "root" for m in state.modules)
+            for group, label in zip(state.groups, group_labels(base, state.groups), strict=True):
+                group.label = label
+                group.lazy_init()
 
     def ensure_initialized(self) -> RootContext:
         if self.root is None:
@@ -288,7 +351,8 @@ class FSDPState:
         if new not in _PHASES[self.phase]:
             raise FullyShardStateError(
                 f"{call} came in phase {self.phase.name}, which cannot move to {new.name} "
-                f"({self.group!r}); call reset_iter_state() on the root module to recover"
+                f"({', '.join(repr(g) for g in self.groups)}); call reset_iter_state() on the "
+                "root module to recover"
             )
         self.phase = new
 
@@ -306,9 +370,8 @@ class FSDPState:
                 "reset_iter_state() on the root module before the next forward"
             )
         if ctx.it.in_backward:  # recomputation under activation checkpointing
-            if self.group.config.unshard_in_backward:  # as torch: off skips this gather too
-                self.group.unshard(async_op=False)
-                self.group.wait_for_unshard()
+            if self.config.unshard_in_backward:  # as torch: off skips this gather too
+                self._unshard_now()
             return args, kwargs
         it = self.it
         if self.is_root and it.forward_depth == 0:
@@ -322,24 +385,25 @@ class FSDPState:
             )
             it.outputs_hooked = 0
             self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
-            self.group.begin("forward")
+            for group in self.groups:
+                group.begin("forward")
             it.ran_forward = True
-            versions = self.group.sharded_versions()
-            if self.group.gathered_copy_is_stale(versions):
-                # Gathered before an optimizer step (explicit unshard, reshard_after_backward=
-                # False): every rank stepped, so every rank gathers again.
-                self.group.reshard()
+            for group in self.groups:
+                if group.gathered_copy_is_stale(group.sharded_versions()):
+                    # Gathered before an optimizer step (explicit unshard,
+                    # reshard_after_backward=False): every rank stepped, so every rank
+                    # gathers again.
+                    group.reshard()
             it.prefetched = False
             if self.is_root:
                 ctx.forward_iter += 1
             self._forward_iter = ctx.forward_iter
             if not ctx.order_recorded and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
-            self.group.unshard(async_op=False)  # a no-op if prefetched: already in flight
-            self.group.wait_for_unshard()
+            self._unshard_now()  # waits only for groups already in flight if prefetched
             self._prefetch(self._forward_targets(), backward=False)
         it.forward_depth += 1
-        input_dtype = self.group.config.mp_policy.forward_input_dtype()
+        input_dtype = self.config.mp_policy.forward_input_dtype()
         if input_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), input_dtype)
         if torch.is_grad_enabled():
@@ -371,7 +435,7 @@ class FSDPState:
         it.forward_depth -= 1
         it.modules_to_run.discard(id(module))
         if torch.is_grad_enabled():
-            versions = self.group.sharded_versions()
+            versions = self.sharded_versions()
             hook = functools.partial(self._pre_backward, versions)
             for t in _tensors(output):
                 if t.requires_grad:
@@ -391,7 +455,7 @@ class FSDPState:
                 _assign_implicit_prefetch(ctx)
                 ctx.order_recorded = True
             self._release_unused_prefetches(ctx)
-        out_dtype = self.group.config.mp_policy.output_dtype
+        out_dtype = self.config.mp_policy.output_dtype
         if out_dtype is not None:
             output = _cast_floating(output, out_dtype)
         return output
@@ -399,11 +463,24 @@ class FSDPState:
     def _end_forward(self, ctx: RootContext) -> None:
         # Without an output that needs grad no backward will come to free the parameters.
         if self.reshard_after_forward or self.it.outputs_hooked == 0:
-            self.group.reshard_after_forward(backward_follows=self.it.outputs_hooked > 0)
+            for group in self.groups:
+                group.reshard_after_forward(backward_follows=self.it.outputs_hooked > 0)
         self._set_phase(Phase.IDLE, "end of forward")
         if not ctx.order_recorded and self not in ctx.post_forward_order:
             ctx.post_forward_order.append(self)
-        self.group.end("forward")
+        for group in reversed(self.groups):
+            group.end("forward")
+
+    def _unshard_now(self) -> None:
+        """Gather every group and wait (no-op for groups already gathered).
+
+        With several groups every all-gather is issued before the first wait, so they overlap.
+        """
+        several = len(self.groups) > 1
+        for group in self.groups:
+            group.unshard(async_op=several)
+        for group in self.groups:
+            group.wait_for_unshard()
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -420,8 +497,8 @@ class FSDPState:
         # ``before``: the sharded versions when the forward whose output this is ended. An
         # in-place change since (optimizer.step(), load_state_dict) would pair that forward's
         # activations with new parameter values.
-        now = self.group.sharded_versions()
-        for p, was, current in zip(self.group.params, before, now, strict=True):
+        now = self.sharded_versions()
+        for p, was, current in zip(self.params, before, now, strict=True):
             if was != current:
                 raise FullyShardStateError(
                     f"backward came for parameter {p.fqn!r}, which was changed in place "
@@ -434,13 +511,13 @@ class FSDPState:
         self._check_unchanged_since_forward(forward_versions)
         self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
-            with self.group.span("pre_backward"):
+            with _spans(self.groups, "pre_backward"):
                 self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
                 self.it.prefetched = False
-                self.group.begin("backward")
-                if self.group.config.unshard_in_backward:
-                    self.group.unshard(async_op=False)
-                    self.group.wait_for_unshard()
+                for group in self.groups:
+                    group.begin("backward")
+                if self.config.unshard_in_backward:
+                    self._unshard_now()
                 self._prefetch(self._backward_targets(), backward=True)
 
     # -- prefetch ------------------------------------------------------------------------------
@@ -458,26 +535,29 @@ class FSDPState:
     def _prefetch(self, targets: list[FSDPState], *, backward: bool) -> None:
         """Issue the all-gathers of ``targets`` without waiting; their own hooks wait."""
         for target in targets:
-            if target is self or target.group.state is not GroupState.SHARDED:
+            sharded = [g for g in target.groups if g.state is GroupState.SHARDED]
+            if target is self or not sharded:
                 continue
             # Only a group that will still run in this pass: in forward, one whose forward has
             # not run in this root forward; in backward, one that ran forward and has not
             # started its backward.
             if target.phase is not Phase.IDLE:
                 continue
-            if backward and not (target.it.ran_forward and target.group.config.unshard_in_backward):
+            if backward and not (target.it.ran_forward and target.config.unshard_in_backward):
                 continue
             ctx = target.root
             if not backward and ctx is not None and target._forward_iter == ctx.forward_iter:
                 continue
-            target.group.unshard(async_op=True)
+            for group in sharded:
+                group.unshard(async_op=True)
             target.it.prefetched = True
 
     def _release_unused_prefetches(self, ctx: RootContext) -> None:
         # A prefetched group whose forward did not run this time (control flow changed).
         for state in ctx.states:
             if state.it.prefetched and state._forward_iter != ctx.forward_iter:
-                state.group.reshard()
+                for group in state.groups:
+                    group.reshard()
                 state.it.prefetched = False
 
     def _module_backward_done(self, node: object) -> None:
@@ -497,24 +577,28 @@ class FSDPState:
     def _post_backward(self) -> None:
         ctx = self.ensure_initialized()
         self._set_phase(Phase.POST_BACKWARD, "post-backward (the group's backward is done)")
-        if self.group.config.requires_gradient_sync:
-            # At most one group's reduce-scatter in flight: its buffers are full-size grads.
-            reducing = ctx.it.reducing
-            if reducing is not None and reducing is not self.group:
-                reducing.finish_reduce()
-            with self.group.span("post_backward_reduce"):
-                self.group.reduce_grads()
-            ctx.it.reducing = self.group if self.group.has_pending_reduce() else None
+        if self.config.requires_gradient_sync:
+            # At most one state's reduce-scatters in flight: their buffers are full-size grads.
+            for reducing in ctx.it.reducing:
+                if reducing not in self.groups:
+                    reducing.finish_reduce()
+            with _spans(self.groups, "post_backward_reduce"):
+                for group in self.groups:
+                    group.reduce_grads()
+            ctx.it.reducing = tuple(g for g in self.groups if g.has_pending_reduce())
         else:
-            self.group.reduce_grads()
-        if self.group.config.reshard_after_backward:
-            self.group.reshard()
-        self.group.end("backward")
+            for group in self.groups:
+                group.reduce_grads()
+        for group in self.groups:
+            if group.config.reshard_after_backward:
+                group.reshard()
+        for group in reversed(self.groups):
+            group.end("backward")
 
     def _end_of_backward(self) -> None:
         """Root only: runs once after autograd finished the whole backward pass."""
         ctx = self.ensure_initialized()
-        with self.group.span("root_post_backward_callback"):
+        with _spans(self.groups, "root_post_backward_callback"):
             for state in reversed(ctx.states):
                 if state.phase is Phase.PRE_BACKWARD or (
                     state.it.ran_forward and state.phase is not Phase.POST_BACKWARD
@@ -522,11 +606,13 @@ class FSDPState:
                     state._post_backward()
             if ctx.is_last_backward:
                 for state in ctx.states:
-                    state.group.finish_reduce()
-                ctx.it.reducing = None
+                    for group in state.groups:
+                        group.finish_reduce()
+                ctx.it.reducing = ()
             for state in ctx.states:
-                if state.group.config.reshard_after_backward:
-                    state.group.reshard()
+                for group in state.groups:
+                    if group.config.reshard_after_backward:
+                        group.reshard()
             self.end_iteration(keep_reducing=not ctx.is_last_backward)
 
     # -- the end of an iteration ---------------------------------------------------------------
@@ -543,7 +629,7 @@ class FSDPState:
             state.phase = Phase.IDLE
             state.it = _Iteration()
         if ctx is not None:
-            reducing = ctx.it.reducing if keep_reducing else None
+            reducing = ctx.it.reducing if keep_reducing else ()
             ctx.it = _RootIteration(reducing=reducing)
 
     def reset(self) -> None:
@@ -551,7 +637,8 @@ class FSDPState:
         ctx = self.root
         states = ctx.states if ctx is not None else [self]
         for state in states:
-            state.group.discard_iteration_state()
+            for group in state.groups:
+                group.discard_iteration_state()
         if ctx is not None and not ctx.order_recorded:
             # A first forward that raised half-way recorded part of the order, and the ranks
             # may have raised at different places: record it again, whole, next time.

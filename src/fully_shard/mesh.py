@@ -8,10 +8,13 @@ all-reduced over the replicate dim (HSDP).
 of n consecutive ones (node-local ranks when n is the number of devices per node) and creates
 their process groups, once per mesh.
 
-Tensor parallelism: a parameter that is already a DTensor on ``root["tp"]`` is sharded again
-on ``root["dp"]`` (the mesh given to ``fully_shard``). Its sharded DTensor lives on ``root``
-with one placement per root dim; :func:`tp_layout` checks the meshes and
-:func:`combined_placements` writes the placements so that ``full_tensor()`` is exact.
+Per-parameter meshes: ``shard_placement_fn`` may return a :class:`ShardPlacementResult` that
+carries its own mesh (experts of a mixture of experts sharded over a sub-mesh, the rest over
+the whole one); :class:`MeshResolver` turns each answer into the ``MeshInfo`` of the group
+the parameter joins, one group per distinct mesh.
+
+Parameters that are already DTensors (tensor parallel, or on a full SPMD mesh with
+``dp_mesh_dims``) are described in :mod:`fully_shard.spmd`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
-from ._compat import root_mesh, strided_shard, strided_shard_handles_uneven
+from ._compat import root_mesh
 from .errors import (
     FullyShardNotImplementedError,
     FullyShardStateError,
@@ -224,139 +227,9 @@ def mesh_info(mesh: object) -> MeshInfo:
     raise FullyShardValueError(
         f"mesh must be 1-D (shard) or 2-D (replicate, shard) for fully_shard, got a {mesh.ndim}-D "
         f"mesh of shape {tuple(mesh.shape)}; for tensor parallelism pass the data-parallel "
-        'sub-mesh, e.g. mesh["dp"]'
-    )
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """A tensor-parallel parameter as it was before we sharded it.
-
-    Attributes:
-        mesh: the 1-D tensor-parallel mesh, a sub-mesh of the same root as the dp mesh.
-        placements: its placement on ``mesh`` (``Shard(k)`` or ``Replicate()``).
-        size: its global shape; ``stride`` the contiguous strides of that shape.
-        root: the 2-D mesh holding both the dp and the tp dims.
-        dp_dim, tp_dim: the indices of the dp and tp dims in ``root``.
-
-    Example:
-        >>> layout = tp_layout(mesh_info(root["dp"]), wq.weight, "wq.weight")  # doctest: +SKIP
-        >>> layout.placements, layout.dp_dim, layout.tp_dim  # doctest: +SKIP
-        ((Shard(dim=0),), 0, 1)
-    """
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    size: torch.Size
-    stride: tuple[int, ...]
-    root: DeviceMesh
-    dp_dim: int
-    tp_dim: int
-
-
-def tp_layout(info: MeshInfo, param: DTensor, fqn: str) -> TPLayout:
-    """Check that ``param``'s mesh composes with the dp mesh ``info`` and describe its layout."""
-    tp_mesh = param.device_mesh
-    dp_names = info.mesh.mesh_dim_names
-    tp_names = tp_mesh.mesh_dim_names
-    if info.replicate_mesh_dim is not None:
-        raise FullyShardNotImplementedError(
-            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} and fully_shard was given a 2-D "
-            "(HSDP) mesh; HSDP combined with tensor parallelism (a 3-D mesh) is not supported "
-            'yet: pass the 1-D data-parallel sub-mesh, e.g. mesh=root["dp"]'
-        )
-    if tp_mesh == info.mesh or (dp_names and tp_names and set(dp_names) & set(tp_names)):
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is already a DTensor on mesh {tp_mesh}, placed "
-            f"{tuple(param.placements)}, over the same dims as the fully_shard mesh "
-            f"{info.mesh}; fully_shard shards plain parameters itself: pass the module with "
-            "plain tensors, or parallelize it on another dim of a 2-D "
-            'mesh (tensor parallel on root["tp"], fully_shard on root["dp"])'
-        )
-    if tp_mesh.ndim != 1:
-        raise FullyShardNotImplementedError(
-            f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; fully_shard "
-            "composes with 1-D tensor-parallel meshes only"
-        )
-    root = root_mesh(info.mesh)
-    if dp_names is None or tp_names is None or root_mesh(tp_mesh) is not root:
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a sub-mesh of "
-            f"the same parent as the fully_shard mesh {info.mesh}; build one named 2-D mesh, "
-            'root = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")), '
-            'parallelize with root["tp"] and pass mesh=root["dp"]'
-        )
-    root_names = root.mesh_dim_names
-    if root.ndim != 2 or root_names is None or dp_names[0] == tp_names[0]:
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} and fully_shard got mesh "
-            f"{info.mesh}; they must be the two different dims of one 2-D mesh, got parent "
-            f"{root}"
-        )
-    for placement in param.placements:
-        if not isinstance(placement, (Shard, Replicate)):
-            raise FullyShardValueError(
-                f"parameter {fqn!r} is placed {placement} on its tensor-parallel mesh; only "
-                "Shard(dim) and Replicate() parameters can be sharded further"
-            )
-    size = param.size()
-    return TPLayout(
-        mesh=tp_mesh,
-        placements=tuple(param.placements),
-        size=size,
-        stride=contiguous_stride(size),
-        root=root,
-        dp_dim=root_names.index(dp_names[0]),
-        tp_dim=root_names.index(tp_names[0]),
-    )
-
-
-def tp_sharded_dims(layout: TPLayout) -> set[int]:
-    """The tensor dims tensor parallelism already shards."""
-    return {p.dim for p in layout.placements if isinstance(p, Shard)}
-
-
-def combined_placements(layout: TPLayout, shard_dim: int) -> tuple[Placement, ...]:
-    """The placements on ``layout.root`` of a TP parameter we shard on tensor dim ``shard_dim``.
-
-    DTensor reads placements outer mesh dim first. If TP shards another tensor dim the order
-    does not matter and plain ``Shard`` is exact. If TP shards the same dim, TP split it first
-    and we split TP's local rows: that is plain ``Shard`` when the TP dim is the outer one, and
-    a strided shard over TP's pieces when the dp dim is outer (the usual ``("dp", "tp")``).
-    """
-    tp_placement = layout.placements[0]
-    dp_placement: Placement = Shard(shard_dim)
-    if (
-        isinstance(tp_placement, Shard)
-        and tp_placement.dim == shard_dim
-        and layout.dp_dim < layout.tp_dim
-    ):
-        dp_placement = strided_shard(shard_dim, int(layout.mesh.size()))
-    placements: list[Placement] = [Replicate(), Replicate()]
-    placements[layout.dp_dim] = dp_placement
-    placements[layout.tp_dim] = tp_placement
-    return tuple(placements)
-
-
-def check_strided_split(layout: TPLayout, shard_dim: int, dp_size: int, fqn: str) -> None:
-    """Refuse a strided layout (see :func:`combined_placements`) this torch cannot describe.
-
-    Raises before anything is sharded: on a torch whose ``_StridedShard`` needs an even split,
-    ``full_tensor()`` and checkpoints of an uneven one would fail later, far from the cause.
-    """
-    placement = combined_placements(layout, shard_dim)[layout.dp_dim]
-    if type(placement) is Shard:  # not the strided subclass
-        return
-    pieces = dp_size * int(layout.mesh.size())
-    if layout.size[shard_dim] % pieces == 0 or strided_shard_handles_uneven():
-        return
-    raise FullyShardNotImplementedError(
-        f"parameter {fqn!r} of shape {tuple(layout.size)} would be sharded on dim {shard_dim} "
-        f"by both tensor parallelism and fully_shard, into {pieces} uneven pieces; this torch "
-        f"({torch.__version__}) cannot describe an uneven strided layout (full_tensor() and "
-        "checkpoints would fail). Shard another dim (shard_placement_fn returning Shard(d) for "
-        f"a dim tensor parallelism leaves whole), make dim {shard_dim} divisible by {pieces}, "
-        "or use torch 2.13 or newer"
+        'sub-mesh, e.g. mesh["dp"] (or mesh["replicate", "shard"] for HSDP + TP), or pass the '
+        "whole mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...) if the "
+        "parameters are already DTensors on it"
     )
 
 
@@ -366,3 +239,97 @@ def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
     for i in range(len(size) - 2, -1, -1):
         stride[i] = stride[i + 1] * max(size[i + 1], 1)
     return tuple(stride)
+
+
+@dataclass(frozen=True)
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` returns to shard a parameter over a mesh of its own.
+
+    The parameters of one ``fully_shard`` call that name the same mesh form one group (one
+    all-gather, one reduce-scatter), the others stay with the call's ``mesh``: e.g. the
+    experts of a mixture-of-experts layer sharded over the ranks that hold the same experts,
+    the router over all ranks. torch 2.13's ``ShardPlacementResult(placement, mesh_info)``
+    is accepted too (read by duck typing: its ``mesh_info.mesh``).
+
+    Attributes:
+        placement: ``Shard(dim)``, or ``None`` for the default dim.
+        mesh: a 1-D (shard) or 2-D (replicate, shard: HSDP) mesh, like ``fully_shard``'s.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard
+        >>> from fully_shard import ShardPlacementResult
+        >>> def placement(p):  # doctest: +SKIP
+        ...     return ShardPlacementResult(Shard(0), expert_mesh) if p.dim() == 3 else None
+        >>> fully_shard(moe_layer, mesh=world, shard_placement_fn=placement)  # doctest: +SKIP
+    """
+
+    placement: Shard | None
+    mesh: DeviceMesh
+
+    def __post_init__(self) -> None:
+        if self.placement is not None and not isinstance(self.placement, Shard):
+            raise FullyShardTypeError(
+                f"ShardPlacementResult.placement must be a Shard(dim) or None, got "
+                f"{self.placement!r}"
+            )
+        if not isinstance(self.mesh, DeviceMesh):
+            raise FullyShardTypeError(
+                f"ShardPlacementResult.mesh must be a DeviceMesh, got {type(self.mesh).__name__}"
+            )
+
+
+class MeshResolver:
+    """Reads each answer of ``shard_placement_fn``: the placement, and the group's mesh info.
+
+    Meshes that compare equal share one ``MeshInfo`` (and so one group); the call's own mesh
+    is ``default``.
+
+    Example:
+        >>> resolver = MeshResolver(mesh_info(world))  # doctest: +SKIP
+        >>> result = ShardPlacementResult(Shard(0), sub)  # doctest: +SKIP
+        >>> placement, info = resolver.resolve(result, "experts.w1")  # doctest: +SKIP
+        >>> info.shard_size  # doctest: +SKIP
+        2
+    """
+
+    def __init__(self, default: MeshInfo) -> None:
+        self.default = default
+        self._infos: dict[DeviceMesh, MeshInfo] = {default.mesh: default}
+
+    def resolve(self, result: object, fqn: str) -> tuple[object, MeshInfo]:
+        """``(placement, info)`` for ``result``; a placement that is not ours to judge (not
+        ``Shard`` / ``None``) is passed on for the caller's error."""
+        mesh = _result_mesh(result, fqn)
+        if mesh is None:
+            return result, self.default
+        info = self._infos.get(mesh)
+        if info is None:
+            info = self._infos[mesh] = mesh_info(mesh)
+        return getattr(result, "placement", None), info
+
+
+def _result_mesh(result: object, fqn: str) -> DeviceMesh | None:
+    if isinstance(result, ShardPlacementResult):
+        return result.mesh
+    torch_info = getattr(result, "mesh_info", None)
+    if torch_info is None or not hasattr(result, "placement"):
+        return None
+    # torch's ShardPlacementResult(placement, mesh_info: FSDPMeshInfo / HSDPMeshInfo)
+    mesh = getattr(torch_info, "mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise FullyShardTypeError(
+            f"shard_placement_fn returned {result!r} for parameter {fqn!r}, whose mesh_info "
+            "has no DeviceMesh .mesh; return fully_shard.ShardPlacementResult(placement, mesh)"
+        )
+    want = (0, None) if mesh.ndim == 1 else (1, 0)
+    got = (
+        getattr(torch_info, "shard_mesh_dim", None),
+        getattr(torch_info, "replicate_mesh_dim", None),
+    )
+    if got != want:
+        raise FullyShardValueError(
+            f"shard_placement_fn returned a mesh_info for parameter {fqn!r} that shards mesh "
+            f"dim {got[0]} and replicates dim {got[1]} of {mesh}; fully_shard reads a 1-D mesh "
+            "as (shard) and a 2-D one as (replicate, shard): pass it in that order"
+        )
+    return mesh

@@ -39,14 +39,15 @@ class UnshardHandle:
         >>> handle.wait()  # doctest: +SKIP
     """
 
-    def __init__(self, group: ParamGroup) -> None:
-        self._group: ParamGroup | None = group
+    def __init__(self, *groups: ParamGroup) -> None:
+        self._groups: tuple[ParamGroup, ...] | None = groups
 
     def wait(self) -> None:
-        """Block until the all-gather is done and the unsharded parameters are registered."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        """Block until the all-gathers are done and the unsharded parameters are registered."""
+        if self._groups is not None:
+            for group in self._groups:
+                group.wait_for_unshard()
+            self._groups = None
 
 
 def _check_bool(name: str, value: object) -> bool:
@@ -97,8 +98,8 @@ class FSDPModule(nn.Module):
 
     def _update_config(self, recurse: bool, **changes: Any) -> None:
         for module in self._fsdp_modules(recurse):
-            group = module._fsdp_state.group
-            group.config = dataclasses.replace(group.config, **changes)
+            for group in module._fsdp_state.groups:
+                group.config = dataclasses.replace(group.config, **changes)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now, ahead of its forward.
@@ -115,8 +116,9 @@ class FSDPModule(nn.Module):
         _check_bool("unshard(async_op=...)", async_op)
         state = self._fsdp_state
         state.ensure_initialized()
-        state.group.unshard(async_op=async_op)
-        handle = UnshardHandle(state.group)
+        for group in state.groups:
+            group.unshard(async_op=async_op)
+        handle = UnshardHandle(*state.groups)
         if not async_op:
             handle.wait()
             return None
@@ -134,7 +136,8 @@ class FSDPModule(nn.Module):
                 "reshard() was called during backward, while the parameters are gathered for "
                 "gradient computation; call it after backward has finished"
             )
-        state.group.reshard()
+        for group in state.groups:
+            group.reshard()
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -183,6 +186,19 @@ class FSDPModule(nn.Module):
         _check_bool("recurse", recurse)
         self._check_not_in_backward(f"set_requires_all_reduce({flag})")
         self._update_config(recurse, requires_all_reduce=flag)
+
+    def _check_one_group(self, call: str) -> None:
+        groups = self._fsdp_state.groups
+        if len(groups) > 1:
+            # One hook or comm for groups on different meshes would be ambiguous (torch
+            # refuses it too).
+            labels = ", ".join(repr(g.label) for g in groups)
+            raise FullyShardValueError(
+                f"{call} is not supported on a module whose parameters are sharded over "
+                f"{len(groups)} meshes (groups {labels}, from shard_placement_fn returning "
+                "ShardPlacementResult): it would be ambiguous across the meshes; shard those "
+                "parameters in a separate fully_shard call to set it per mesh"
+            )
 
     def _check_not_in_backward(self, call: str) -> None:
         root = self._fsdp_state.root
@@ -321,6 +337,7 @@ class FSDPModule(nn.Module):
                 f"set_all_reduce_hook needs a callable hook(reduce_output) -> None, got "
                 f"{type(hook).__name__}"
             )
+        self._check_one_group("set_all_reduce_hook")
         given: object = stream  # checked as given: a caller may pass anything
         if given is not None:
             if not (
@@ -330,7 +347,7 @@ class FSDPModule(nn.Module):
                     f"set_all_reduce_hook(stream=...) must be a torch.Stream (e.g. "
                     f"torch.cuda.Stream()) or None, got {type(stream).__name__}"
                 )
-            if self._fsdp_state.group.info.replicate_group is not None:
+            if any(g.info.replicate_group is not None for g in self._fsdp_state.groups):
                 raise FullyShardValueError(
                     "set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D "
                     "mesh): the hook runs after the HSDP all-reduce; pass stream=None"
@@ -434,17 +451,17 @@ class FSDPModule(nn.Module):
         modules = list(self._fsdp_modules(recurse))
         if max_input_buffers > 1:
             for module in modules:
-                if module._fsdp_state.group.config.symm_mem_backend is not None:
+                if module._fsdp_state.config.symm_mem_backend is not None:
                     raise FullyShardValueError(
                         f"set_reduce_scatter_max_input_buffers({max_input_buffers}) with "
                         "symmetric memory (set_symm_mem_for_comm): the symmetric pool reuses "
                         "one buffer; keep max_input_buffers=1"
                     )
         for module in modules:
-            group = module._fsdp_state.group
-            group.config = dataclasses.replace(
-                group.config, reduce_scatter_max_input_buffers=max_input_buffers
-            )
+            for group in module._fsdp_state.groups:
+                group.config = dataclasses.replace(
+                    group.config, reduce_scatter_max_input_buffers=max_input_buffers
+                )
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -464,17 +481,17 @@ class FSDPModule(nn.Module):
         _check_bool("recurse", recurse)
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for module in self._fsdp_modules(recurse):
-            group = module._fsdp_state.group
-            rs_group = None
-            if flag:
-                ranks = tuple(dist.get_process_group_ranks(group.info.shard_group))
-                if ranks not in created:
-                    existing = group.config.reduce_scatter_group
-                    created[ranks] = existing or dist.new_group(
-                        list(ranks), use_local_synchronization=True
-                    )
-                rs_group = created[ranks]
-            group.config = dataclasses.replace(group.config, reduce_scatter_group=rs_group)
+            for group in module._fsdp_state.groups:
+                rs_group = None
+                if flag:
+                    ranks = tuple(dist.get_process_group_ranks(group.info.shard_group))
+                    if ranks not in created:
+                        existing = group.config.reduce_scatter_group
+                        created[ranks] = existing or dist.new_group(
+                            list(ranks), use_local_synchronization=True
+                        )
+                    rs_group = created[ranks]
+                group.config = dataclasses.replace(group.config, reduce_scatter_group=rs_group)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Take the communication buffers from the process group's own allocator.
@@ -507,15 +524,16 @@ class FSDPModule(nn.Module):
                 f"set_symm_mem_for_comm(backend={backend!r}): only 'NCCL' is supported"
             )
         self._check_no_custom_comm("set_symm_mem_for_comm")
-        group = self._fsdp_state.group
-        pg_backend = str(dist.get_backend(group.info.shard_group)).lower()
-        if pg_backend != "nccl":
-            raise FullyShardNotImplementedError(
-                f"set_symm_mem_for_comm needs an NCCL process group; this module's shard group "
-                f"runs on {pg_backend!r}. Symmetric memory is a CUDA/NCCL transport feature: "
-                "leave it off on CPU (gloo)"
-            )
-        if group.config.reduce_scatter_max_input_buffers > 1:
+        state = self._fsdp_state
+        for group in state.groups:
+            pg_backend = str(dist.get_backend(group.info.shard_group)).lower()
+            if pg_backend != "nccl":
+                raise FullyShardNotImplementedError(
+                    f"set_symm_mem_for_comm needs an NCCL process group; this module's shard "
+                    f"group runs on {pg_backend!r}. Symmetric memory is a CUDA/NCCL transport "
+                    "feature: leave it off on CPU (gloo)"
+                )
+        if state.config.reduce_scatter_max_input_buffers > 1:
             raise FullyShardValueError(
                 "set_symm_mem_for_comm with set_reduce_scatter_max_input_buffers(>1): the "
                 "symmetric pool reuses one buffer; set max_input_buffers back to 1 first"
@@ -523,7 +541,7 @@ class FSDPModule(nn.Module):
         self._update_config(False, symm_mem_backend=backend)
 
     def _check_no_custom_comm(self, call: str) -> None:
-        config = self._fsdp_state.group.config
+        config = self._fsdp_state.config
         for name, comm in (
             ("set_custom_all_gather", config.all_gather_comm),
             ("set_custom_reduce_scatter", config.reduce_scatter_comm),
@@ -547,6 +565,7 @@ class FSDPModule(nn.Module):
             >>> model.set_custom_all_gather(MyAllGather())  # doctest: +SKIP
         """
         _check_comm("set_custom_all_gather", comm, "AllGather")
+        self._check_one_group("set_custom_all_gather")
         self._update_config(False, all_gather_comm=comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterLike) -> None:
@@ -563,6 +582,7 @@ class FSDPModule(nn.Module):
             >>> model.set_custom_reduce_scatter(MyReduceScatter())  # doctest: +SKIP
         """
         _check_comm("set_custom_reduce_scatter", comm, "ReduceScatter")
+        self._check_one_group("set_custom_reduce_scatter")
         self._update_config(False, reduce_scatter_comm=comm)
 
     # -- backward and optimizer ---------------------------------------------------------------
@@ -649,17 +669,18 @@ class FSDPModule(nn.Module):
                     f"methods (see fully_shard.Comm); {type(comm).__name__} has no {name}"
                 )
         for module in self._fsdp_modules(recurse):
-            module._fsdp_state.group.comm = comm
+            for group in module._fsdp_state.groups:
+                group.comm = comm
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # to_empty(), to(), cuda() replace the sharded tensors: pick the new ones up.
-        if self._fsdp_state.group.state.name != "SHARDED":
+        if any(g.state.name != "SHARDED" for g in self._fsdp_state.groups):
             raise FullyShardStateError(
                 f"{type(self).__name__}: to()/to_empty()/cuda() while the parameters are "
                 "gathered; call reshard() first"
             )
         out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        for p in self._fsdp_state.group.params:
+        for p in self._fsdp_state.params:
             p.sync_with_module()
         return out
 

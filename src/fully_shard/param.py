@@ -39,8 +39,9 @@ Sharding on another dim ``d`` works the same way with ``c = ceil(P.size(d) / W)`
 padding along ``d``; the unsharded parameter is then a (possibly non-contiguous) narrow view.
 
 A tensor-parallel parameter (a DTensor on ``root["tp"]``) is handled as its TP-local tensor:
-``P`` above is that local tensor, the sharded DTensor lives on ``root`` with the placements of
-:func:`~fully_shard.mesh.combined_placements`, and the unsharded parameter is a DTensor on the
+``P`` above is that local tensor, the sharded DTensor lives on the mesh of the dp dims and the
+TP dim (``TPLayout.spmd``, see :mod:`fully_shard.spmd`) with the placements of
+:func:`~fully_shard.spmd.combined_placements`, and the unsharded parameter is a DTensor on the
 TP mesh again (``DTensor.from_local`` of the storage view), which is what the TP modules expect.
 """
 
@@ -56,8 +57,9 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import post_accumulate_grad_hooks
 from .collectives import GatherInput, typed_block
-from .mesh import MeshInfo, TPLayout, combined_placements, contiguous_stride
+from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy
+from .spmd import TPLayout, combined_placements
 
 
 def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
@@ -307,7 +309,7 @@ class ShardedParam:
         if self.tp is None:
             mesh, placements = self.info.mesh, self.info.placements(self.shard_dim)
         else:
-            mesh, placements = self.tp.root, combined_placements(self.tp, self.shard_dim)
+            mesh, placements = self.tp.spmd, combined_placements(self.tp, self.shard_dim)
         return DTensor.from_local(
             local,
             mesh,
@@ -465,8 +467,10 @@ class ShardedParam:
         if isinstance(grad, DTensor):
             # A TP gradient can be Partial (e.g. a SequenceParallel norm's weight): sum it over
             # the TP ranks first, so that what we reduce-scatter is this rank's TP-local grad.
-            if self.tp is not None and tuple(grad.placements) != self.tp.placements:
-                grad = grad.redistribute(placements=self.tp.placements)
+            if self.tp is not None:
+                target = self.tp.grad_placements(tuple(grad.placements))
+                if tuple(grad.placements) != target:
+                    grad = grad.redistribute(placements=target)
             grad = grad.to_local()
         kept = self.unsharded_accumulated_grad
         self.unsharded_accumulated_grad = None

@@ -179,9 +179,10 @@ class DataParallelMeshDims:
     For parameters that are already DTensors on a mesh holding every parallelism:
     ``shard`` names the dim(s) FSDP shards over, ``replicate`` the dim(s) it replicates
     over (HSDP / DDP); a tuple of names is flattened into one dim. At least one must be
-    set. ``fully_shard(..., dp_mesh_dims=...)`` does not accept it yet (it raises
-    ``FullyShardNotImplementedError``); the class exists so code written for torch
-    imports and builds its arguments unchanged. Not frozen, like torch's.
+    set (``shard`` for ``fully_shard``: replication alone is plain data parallelism).
+    ``fully_shard(model, mesh=world, dp_mesh_dims=dims)`` reads the dims when it is called;
+    the parameters must be DTensors on ``world`` with ``Replicate()`` on these dims. Not
+    frozen, like torch's.
 
     Attributes:
         shard: mesh dim name(s) to shard parameters over, or ``None``.

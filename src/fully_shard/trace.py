@@ -54,7 +54,7 @@ from torch import nn
 from .collectives import Waitable
 from .errors import FullyShardStateError, FullyShardValueError
 from .group import ParamGroup
-from .hooks import FSDPState
+from .hooks import FSDPState, group_labels
 from .observer import CollectiveCall, SpanKind
 
 Kind = Literal[
@@ -209,10 +209,10 @@ class Recorder:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
         self._attached: dict[int, _Attached] = {}  # id(group) -> what we changed on it
-        for label, state in _states(module):
-            group = state.group
-            if id(group) not in self._attached:
-                self._attached[id(group)] = _Attached(group, label, _unsharded_nbytes(group))
+        for base, state in _states(module):
+            for group, label in zip(state.groups, group_labels(base, state.groups), strict=True):
+                if id(group) not in self._attached:
+                    self._attached[id(group)] = _Attached(group, label, _unsharded_nbytes(group))
         if not self._attached:
             raise FullyShardValueError(
                 f"trace.record() found no fully_shard group in {type(module).__name__}: "
