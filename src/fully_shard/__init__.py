@@ -25,6 +25,7 @@ from .policies import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    QuantizationPolicy,
 )
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "FullyShardValueError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "QuantizationPolicy",
     "ReduceScatter",
     "TorchComm",
     "UnshardHandle",

@@ -39,7 +39,12 @@ from .mesh import (
 )
 from .module import FSDPModule
 from .param import ShardedParam
-from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .policies import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizationPolicy,
+)
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -76,6 +81,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
+    quantization_policy: QuantizationPolicy = ...,
 ) -> M: ...
 
 
@@ -90,6 +96,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
+    quantization_policy: QuantizationPolicy = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -103,6 +110,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    quantization_policy: QuantizationPolicy = QuantizationPolicy(),  # noqa: B008 - frozen, shared
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place, and return it.
 
@@ -140,6 +148,9 @@ def fully_shard(
         dp_mesh_dims: torch 2.13's way of naming the data-parallel dims of a full SPMD mesh
             (a :class:`DataParallelMeshDims`). Only ``None`` is supported yet; a
             ``DataParallelMeshDims`` raises ``FullyShardNotImplementedError``.
+        quantization_policy: all-gather this group's large weights as block-quantized int8
+            (see :class:`QuantizationPolicy`; not in torch's FSDP2). The default changes
+            nothing.
 
     Returns:
         ``module``, its class swapped to an ``FSDPModule`` subclass.
@@ -171,6 +182,12 @@ def fully_shard(
             f"offload_policy must be an OffloadPolicy (or a subclass such as CPUOffloadPolicy), "
             f"got {type(offload_policy).__name__}"
         )
+    if not isinstance(quantization_policy, QuantizationPolicy):
+        raise FullyShardTypeError(
+            f"quantization_policy must be a QuantizationPolicy (or a subclass), got "
+            f"{type(quantization_policy).__name__}; e.g. "
+            "QuantizationPolicy(all_gather='int8', block_size=256)"
+        )
     ignored = _check_ignored(ignored_params, modules)
     plans = _plan_params(modules, ignored, shard_placement_fn, info)
     _check_params(plans, info, mp_policy)
@@ -195,6 +212,7 @@ def fully_shard(
             pin,
             mp_policy,
             plan.tp,
+            quantization_policy,
         )
         for plan in plans
     ]
