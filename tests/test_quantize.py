@@ -32,6 +32,10 @@ def _check_bound(x: torch.Tensor, block: int, dtype: torch.dtype = torch.float32
     assert q.dtype == torch.int8 and q.shape == x.shape
     assert s.dtype == torch.float32 and s.shape == (n_blocks(x.numel(), block),)
     assert int(q.abs().max()) <= QMAX
+    # The scale is never rounded below max |x| / 127 (exactly, in float64): nothing clamps.
+    padded = torch.cat([x, x.new_zeros(s.numel() * block - x.numel())]).view(-1, block)
+    assert bool((s.double() * QMAX >= padded.abs().amax(dim=1).double()).all())
+    assert bool((s > 0).all())
     y = dequantize_blocks(q, s, block, dtype)
     assert y.dtype == dtype
     step = s.repeat_interleave(block)[: x.numel()]  # each element's block scale

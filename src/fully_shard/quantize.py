@@ -4,18 +4,18 @@ Each rank quantizes its own flat shard block by block: symmetric int8 with one f
 block of ``block_size`` consecutive elements (the last block may be shorter)::
 
     shard   (n,)               fp32 master values x
-    scales  (ceil(n / B),)     s_b = max |x| over block b / 127, rounded up (0 for an all-zero
-                               block)
+    scales  (ceil(n / B),)     s_b = max |x| over block b / 127, rounded up (by at most 2^-21
+                               relative, or one subnormal step)
     values  (n,)  int8         q_i = round(x_i / s_b), in [-127, 127]
     unpack                     x'_i = q_i * s_b, rounded once to the compute dtype
 
 Error bound: ``|x_i - q_i * s_b| <= s_b / 2`` (half the block's quantization step) up to fp32
 rounding of one division and one multiply, since rounding to the nearest integer moves
-``x_i / s_b`` by at most one half and no value is clamped (``|x_i| / s_b <= 127`` by the choice
-of ``s_b``, which is rounded up where ``max |x| / 127`` rounded down, e.g. to zero for a block
-of subnormal values). A compute dtype narrower than fp32 (bf16) adds its own rounding of
-``x'_i`` on top. An outlier only coarsens its own block; an all-zero block is exact. A block
-holding an inf or a NaN comes back as infs and NaNs (its scale is not finite).
+``x_i / s_b`` by at most one half and no value needs clamping (``|x_i| / s_b <= 127``: the
+scale is rounded up, never down, so even a block of subnormals, whose ``max |x| / 127`` would
+round to zero, gets a positive scale). A compute dtype narrower than fp32 (bf16) adds its own
+rounding of ``x'_i`` on top. An outlier only coarsens its own block; an all-zero block is
+exact. A block holding an inf or a NaN comes back as NaNs (its scale is not finite).
 
 How a parameter travels in its group's all-gather is a *gather format*
 (:class:`GatherFormat`): :data:`PLAIN` sends the shard cast to the compute dtype and copies it
@@ -28,9 +28,9 @@ Example:
     >>> x = torch.tensor([0.5, -1.0, 0.25, 0.0])
     >>> q, s = quantize_blocks(x, block_size=2)
     >>> q.tolist(), [round(v, 6) for v in s.tolist()]
-    ([64, -127, 127, 0], [0.007874, 0.001969])
-    >>> dequantize_blocks(q, s, block_size=2, dtype=torch.float32).tolist()  # doctest: +ELLIPSIS
-    [0.50393..., -1.0, 0.25, 0.0]
+    ([63, -127, 127, 0], [0.007874, 0.001969])
+    >>> [round(v, 4) for v in dequantize_blocks(q, s, block_size=2, dtype=torch.float32).tolist()]
+    [0.4961, -1.0, 0.25, 0.0]
 """
 
 from __future__ import annotations
@@ -72,14 +72,20 @@ def _blocked(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.view(-1, block_size)
 
 
+# max |x| * (1 + 2^-22) / 127, rounded to fp32, is at least max |x| / 127 for every normal
+# max |x| (the two roundings lose at most 2^-23 together); one subnormal step more covers the
+# absolute rounding of the subnormal range. So |x| / s <= 127 always: no value is clamped.
+_SCALE_FACTOR = (1 + 2.0**-22) / QMAX
+_SMALLEST_SUBNORMAL = 2.0**-149
+
+
 def _block_scales(blocks: torch.Tensor) -> torch.Tensor:
-    """``(n_blocks,)`` fp32: ``max |x| / 127`` per row of ``blocks``, never below it."""
-    amax = blocks.abs().amax(dim=1)
-    scales = amax / QMAX
-    # Where the division rounded down (to zero, for a block of subnormals), one ulp up, so
-    # that |x| / s <= 127 holds and no value needs clamping (the bound relies on it).
-    short = scales * QMAX < amax
-    return torch.where(short, torch.nextafter(scales, torch.full_like(scales, math.inf)), scales)
+    """``(n_blocks,)`` fp32: ``max |x| / 127`` per row of ``blocks``, never below it, never 0.
+
+    Few ops on purpose: at the shard sizes of a transformer block each costs more in dispatch
+    than in arithmetic.
+    """
+    return blocks.abs().amax(dim=1).mul_(_SCALE_FACTOR).add_(_SMALLEST_SUBNORMAL)
 
 
 def quantize_blocks(
@@ -92,10 +98,10 @@ def quantize_blocks(
     if x.dim() != 1:
         raise ValueError(f"quantize_blocks takes a flat tensor, got shape {tuple(x.shape)}")
     n = x.numel()
-    blocks = _blocked(x.detach().float(), block_size)  # (n_blocks, B)
-    scales = _block_scales(blocks)  # (n_blocks,)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    values = blocks.div(safe[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    x = x.detach()
+    blocks = _blocked(x if x.dtype == torch.float32 else x.float(), block_size)  # (n_blocks, B)
+    scales = _block_scales(blocks)  # (n_blocks,), all > 0
+    values = blocks.div(scales[:, None]).round_().to(torch.int8)
     values = values.view(-1)[:n]
     if out is None:
         return values, scales
@@ -185,6 +191,11 @@ class PlainGather:
 
     def rebuild(self, blocks: list[torch.Tensor], ranked: torch.Tensor) -> None:
         (block,) = blocks
+        if ranked.is_contiguous() and block.dtype == torch.uint8:
+            # Bytes into bytes: one copy, no typed temporary (a group with int8 neighbours
+            # gathers as uint8, and rebuilds these here rather than straight into storage).
+            ranked.view(ranked.size(0), -1).view(torch.uint8).copy_(block)
+            return
         typed = typed_block(block, ranked.dtype)
         ranked.copy_(typed.reshape(ranked.shape))
 
