@@ -35,6 +35,11 @@ for it at each unshard, and the storage is reallocated when that answer changes.
 Writes into ``storage`` go through ``storage.data`` (an alias with its own version counter),
 so refilling it for backward does not trip autograd's saved-tensor version check.
 
+What the all-gather carries, and how ``storage`` is written from it, is the parameter's
+gather format (:mod:`fully_shard.quantize`): the shard in the compute dtype, copied in
+(``PLAIN``); or, under a ``QuantizationPolicy``, int8 values plus fp32 block scales,
+dequantized into ``storage``. The tensors above and their lifetimes are the same either way.
+
 Sharding on another dim ``d`` works the same way with ``c = ceil(P.size(d) / W)`` and the
 padding along ``d``; the unsharded parameter is then a (possibly non-contiguous) narrow view.
 
