@@ -4,6 +4,8 @@ One command spawns ``--nproc`` local ranks (gloo on CPU, or NCCL with ``--device
 builds the same model from the same seed once per implementation:
 
 * ``ours``  -- :func:`fully_shard.fully_shard` on every block, then on the root;
+* ``ours-int8`` -- the same with ``QuantizationPolicy(all_gather="int8")``: weights all-gathered
+  as block-quantized int8 (``--block-size``, default 256), fp32 masters and gradients;
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard`` (torch's FSDP2), wrapped the same way;
   ``--wrap head`` also makes ``[norm, output]`` one group of its own (not resharded after
   forward) for both, so the head's gradients are reduced as soon as they are ready;
@@ -18,7 +20,7 @@ Per implementation it prints step time (median and IQR over steps; a step's time
 rank's) and how it splits into forward, backward and optimizer, per-rank peak memory over one
 step, the bytes each collective sent per step, the final loss and the largest per-step loss
 difference from the reference; for ZeRO-3 also the volume theory predicts, and the ratios
-ours/FSDP2 and ours/DDP. The last line printed is one JSON
+of ours (and ours-int8) to FSDP2 and DDP. The last line printed is one JSON
 object with every number. docs/performance.md explains each of them.
 
 Example:
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import inspect
 import json
@@ -61,10 +64,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fully_shard as fs
+from fully_shard.quantize import int8_gather_nbytes
 
-IMPLS = ("ours", "fsdp2", "ddp")
+IMPLS = ("ours", "ours-int8", "fsdp2", "ddp")
+OURS = ("ours", "ours-int8")
+ZERO3 = (*OURS, "fsdp2")
 PHASES = ("forward", "backward", "optimizer")
-LABELS = {"ours": "fully_shard (ours)", "fsdp2": "torch FSDP2", "ddp": "torch DDP"}
+LABELS = {
+    "ours": "fully_shard (ours)",
+    "ours-int8": "ours, int8 gather",
+    "fsdp2": "torch FSDP2",
+    "ddp": "torch DDP",
+}
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
 
@@ -287,6 +298,12 @@ class RunOptions:
     seed: int
     lr: float
     foreach: bool
+    block_size: int = 256
+
+    @property
+    def quantization(self) -> fs.QuantizationPolicy:
+        """The policy of ``ours-int8``."""
+        return fs.QuantizationPolicy(all_gather="int8", block_size=self.block_size)
 
 
 @dataclass
@@ -308,8 +325,11 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
     """The model from the run's seed, wrapped by ``impl``, and its AdamW optimizer."""
     torch.manual_seed(ctx.opts.seed)
     model: nn.Module = Llama(ctx.opts.model).to(ctx.device)
-    if impl in ("ours", "fsdp2"):
-        shard: Callable[..., Any] = fs.fully_shard if impl == "ours" else torch_fully_shard
+    if impl in ZERO3:
+        shard: Callable[..., Any] = torch_fully_shard
+        if impl in OURS:
+            policy = ctx.opts.quantization if impl == "ours-int8" else fs.QuantizationPolicy()
+            shard = functools.partial(fs.fully_shard, quantization_policy=policy)
         for block in model.layers:
             shard(block, mesh=ctx.mesh)
         if ctx.opts.wrap == "head":
@@ -354,7 +374,7 @@ def attach_counter(impl: str, model: nn.Module) -> Callable[[], dict[str, dict[s
     which do exactly what the defaults do. DDP: a comm hook that counts each bucket, then runs
     torch's default ``allreduce_hook``. Only the step that reads the counts uses them.
     """
-    if impl == "ours":
+    if impl in OURS:
         comm = fs.CountingComm()
         model.set_comm(comm)  # type: ignore[operator]
         return lambda: {"bytes": comm.bytes_by_op(), "calls": comm.count_by_op()}
@@ -663,7 +683,12 @@ def reference_losses(opts: RunOptions) -> list[float]:
     return losses
 
 
-def zero3_theory(cfg: ModelConfig, world: int, wrap: str = "blocks") -> dict[str, Any]:
+def zero3_theory(
+    cfg: ModelConfig,
+    world: int,
+    wrap: str = "blocks",
+    quantization: fs.QuantizationPolicy | None = None,
+) -> dict[str, Any]:
     """ZeRO-3 bytes per step per rank with dim-0 padding, from the parameter shapes alone.
 
     A group's padded shard is ``sum(ceil(d0 / W) * numel / d0 * 4)`` bytes over its params.
@@ -672,27 +697,36 @@ def zero3_theory(cfg: ModelConfig, world: int, wrap: str = "blocks") -> dict[str
     ``[norm, output]`` group, kept from forward to backward);
     reduce-scatter input = sum over groups of ``W * padded shard``.
 
+    ``all_gather_int8``: the all-gather under ``quantization``: a parameter it quantizes sends
+    its ``n = ceil(d0 / W) * numel / d0`` elements as int8 plus ``4 * ceil(n / block_size)``
+    bytes of fp32 scales instead of ``4 n`` (the reduce-scatter is the same).
+
     Example:
         >>> zero3_theory(SIZES["tiny"], 2, "head")["groups"]
         4
     """
+    policy = fs.QuantizationPolicy() if quantization is None else quantization
     model = Llama(cfg)
     groups = [(list(block.parameters()), 2) for block in model.layers]
     if wrap == "head":
         groups.append(([*model.norm.parameters(), *model.output.parameters()], 1))
     owned = {id(p) for params, _ in groups for p in params}
     groups.append(([p for p in model.parameters() if id(p) not in owned], 1))
-    ag = rs = 0
+    ag = rs = ag_int8 = 0
     for params, gathers in groups:
-        shard = sum(
-            math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * p.element_size()
-            for p in params
-        )
-        ag += shard * gathers
-        rs += world * shard
+        for p in params:
+            numel = math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0])
+            shard = numel * p.element_size()
+            ag += shard * gathers
+            rs += world * shard
+            if policy.quantizes(p.shape, p.dtype, numel):
+                ag_int8 += int8_gather_nbytes(numel, policy.block_size) * gathers
+            else:
+                ag_int8 += shard * gathers
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "all_gather": ag,
+        "all_gather_int8": ag_int8,
         "reduce_scatter": rs,
         "groups": len(groups),
         "all_gather_calls": sum(g for _, g in groups),
@@ -725,7 +759,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -> dict[str, Any]:
     """Fold the ranks' raw numbers into one record per implementation."""
-    theory = zero3_theory(opts.model, opts.world, opts.wrap)
+    theory = zero3_theory(opts.model, opts.world, opts.wrap, opts.quantization)
     impls: dict[str, Any] = {}
     for impl in opts.impls:
         # The slowest rank's step; its phases are that rank's phases.
@@ -758,20 +792,26 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
             "comm_bytes_per_rank_equal": all(m["bytes"] == comm_bytes for m in measured),
             "ring_wire_bytes_per_step": ring_wire_bytes(opts.world, comm_bytes),
             "final_loss": losses[-1],
+            "final_loss_rel_diff_vs_ref": (losses[-1] - ref[-1]) / ref[-1],
             "max_abs_loss_diff_vs_ref": max(abs(a - b) for a, b in zip(losses, ref, strict=True)),
             "losses": losses,
         }
-        if impl in ("ours", "fsdp2"):
+        if impl in ZERO3:
+            ag_theory = theory["all_gather_int8" if impl == "ours-int8" else "all_gather"]
             rec["measured_over_theory"] = {
-                op: comm_bytes.get(op, 0) / theory[op] for op in ("all_gather", "reduce_scatter")
+                "all_gather": comm_bytes.get("all_gather", 0) / ag_theory,
+                "reduce_scatter": comm_bytes.get("reduce_scatter", 0) / theory["reduce_scatter"],
             }
         impls[impl] = rec
     ratios: dict[str, Any] = {}
-    if "ours" in impls:
-        ours = impls["ours"]
-        for other in ("fsdp2", "ddp"):
+    for mine in OURS:
+        if mine not in impls:
+            continue
+        ours = impls[mine]
+        others = ("ours", "fsdp2", "ddp") if mine == "ours-int8" else ("fsdp2", "ddp")
+        for other in others:
             if other in impls:
-                ratios[f"ours/{other}"] = {
+                ratios[f"{mine}/{other}"] = {
                     "step_time_median": ours["step_ms"]["median"]
                     / impls[other]["step_ms"]["median"],
                     "peak_memory_max_rank": max(ours["peak_bytes_per_rank"])
@@ -839,11 +879,12 @@ def print_report(s: dict[str, Any]) -> None:
     )
     print(
         f"ZeRO-3 theory per rank per step: all-gather {_mib(theory['all_gather'])} MiB "
-        f"({theory['all_gather_calls']} calls), reduce-scatter input "
+        f"({theory['all_gather_calls']} calls; int8 blocks of {cfg['block_size']}: "
+        f"{_mib(theory['all_gather_int8'])} MiB), reduce-scatter input "
         f"{_mib(theory['reduce_scatter'])} MiB ({theory['reduce_scatter_calls']} calls), "
         f"{theory['groups']} groups"
     )
-    for impl in ("ours", "fsdp2"):
+    for impl in ZERO3:
         r = s["impls"].get(impl)
         if r is not None:
             ratio = r["measured_over_theory"]
@@ -866,6 +907,12 @@ def print_report(s: dict[str, Any]) -> None:
             f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, "
             f"peak memory (max rank) {r['peak_memory_max_rank']:.2f}x"
         )
+    int8 = s["impls"].get("ours-int8")
+    if int8 is not None:
+        print(
+            f"ours-int8 final loss vs the unquantized reference: "
+            f"{100 * int8['final_loss_rel_diff_vs_ref']:+.2f}%"
+        )
 
 
 def _free_port() -> int:
@@ -884,7 +931,12 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
     )
     parser.add_argument("--nproc", type=int, default=2, help="world size: local ranks to spawn")
     parser.add_argument(
-        "--impls", default=",".join(IMPLS), help="comma-separated subset of ours,fsdp2,ddp"
+        "--impls",
+        default=",".join(IMPLS),
+        help=f"comma-separated subset of {','.join(IMPLS)}",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=256, help="ours-int8: elements per fp32 scale"
     )
     parser.add_argument(
         "--wrap",
@@ -909,6 +961,8 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
     steps = DEFAULT_STEPS[args.size] if args.steps is None else args.steps
+    if args.block_size < 1:
+        parser.error("--block-size must be >= 1")
     if steps < 1 or args.warmup < 0 or args.round_steps < 1:
         parser.error("--steps and --round-steps must be >= 1, --warmup >= 0")
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
@@ -928,6 +982,7 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         seed=args.seed,
         lr=args.lr,
         foreach=args.foreach,
+        block_size=args.block_size,
     )
     return opts, args.json_out
 

@@ -95,6 +95,33 @@ def test_expected_comm_bytes_by_hand() -> None:
     assert got.total == got.all_gather + got.reduce_scatter
 
 
+def test_expected_comm_bytes_with_int8_all_gathers_by_hand() -> None:
+    # (40, 30) on 2 ranks: 20 rows of 30 -> 600 elements per rank, quantized in blocks of 256
+    # (600 int8 values + 3 scales); (40,) is 1-D: 20 fp32 elements, unquantized.
+    policy = fully_shard.QuantizationPolicy(all_gather="int8", block_size=256)
+    got = demo.expected_comm_bytes(
+        [([torch.Size([40, 30]), torch.Size([40])], 2)], 2, 4, 4, quantization=policy
+    )
+    assert (got.int8_values, got.int8_scales) == (2 * 600, 2 * 3 * 4)
+    assert got.all_gather == 2 * (600 + 3 * 4) + 2 * 20 * 4
+    assert got.reduce_scatter == 2 * (600 + 20) * 4  # gradients are not quantized
+
+
+def test_demo_with_int8_all_gathers_counts_their_bytes() -> None:
+    out = _run_demo("--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
+                    "--quantize-all-gather")  # fmt: skip
+    _check_summary(out, nproc=2)
+    assert "all-gather=int8, blocks of 256" in out
+    values, scales, plain = (
+        int(g.replace(",", ""))
+        for g in re.search(
+            r"int8 values ([\d,]+) B, fp32 scales ([\d,]+) B, unquantized ([\d,]+) B", out
+        ).groups()  # type: ignore[union-attr]
+    )
+    measured, theory = _measured_and_theory(out, "all-gather")
+    assert measured == theory == values + scales + plain and values > 10 * plain
+
+
 def test_the_bundled_text_ships_inside_the_package() -> None:
     path = Path(fully_shard.__file__).parent / demo.TEXT_RESOURCE
     text = demo.load_text()

@@ -26,6 +26,7 @@ from .policies import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    QuantizationPolicy,
 )
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "FullyShardValueError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "QuantizationPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
     "TorchComm",

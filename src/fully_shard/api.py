@@ -38,7 +38,12 @@ from .mesh import (
 )
 from .module import FSDPModule
 from .param import ShardedParam
-from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .policies import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizationPolicy,
+)
 from .spmd import (
     SPMDMesh,
     SPMDPlan,
@@ -90,6 +95,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
+    quantization_policy: QuantizationPolicy = ...,
 ) -> M: ...
 
 
@@ -104,6 +110,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
+    quantization_policy: QuantizationPolicy = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -117,6 +124,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    quantization_policy: QuantizationPolicy = QuantizationPolicy(),  # noqa: B008 - frozen, shared
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place, and return it.
 
@@ -163,6 +171,9 @@ def fully_shard(
             ``replicate`` (a tuple of dims is flattened into one), keeping the parameters'
             own placements on the other dims (see docs/recipes/3d-meshes.md). Not with an
             int ``reshard_after_forward`` (nor in torch).
+        quantization_policy: all-gather this group's large weights as block-quantized int8
+            (see :class:`QuantizationPolicy`; not in torch's FSDP2). The default changes
+            nothing.
 
     Returns:
         ``module``, its class swapped to an ``FSDPModule`` subclass.
@@ -201,6 +212,12 @@ def fully_shard(
         raise FullyShardTypeError(
             f"offload_policy must be an OffloadPolicy (or a subclass such as CPUOffloadPolicy), "
             f"got {type(offload_policy).__name__}"
+        )
+    if not isinstance(quantization_policy, QuantizationPolicy):
+        raise FullyShardTypeError(
+            f"quantization_policy must be a QuantizationPolicy (or a subclass), got "
+            f"{type(quantization_policy).__name__}; e.g. "
+            "QuantizationPolicy(all_gather='int8', block_size=256)"
         )
     ignored = _check_ignored(ignored_params, modules)
     found = _collect_params(modules, ignored)
@@ -246,6 +263,7 @@ def fully_shard(
                 pin,
                 mp_policy,
                 plan.tp,
+                quantization_policy,
             )
             for plan in group_plans
         ]

@@ -14,6 +14,7 @@ Example:
     $ python -m fully_shard.demo                       # ~1 minute on 2 CPU cores
     $ python -m fully_shard.demo --nproc 4 --size tiny --steps 50 --trace trace/
     $ python -m fully_shard.demo --mixed-precision --no-reshard
+    $ python -m fully_shard.demo --quantize-all-gather   # int8 all-gathers (QuantizationPolicy)
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from torch.multiprocessing.spawn import (
 from . import trace
 from .api import fully_shard
 from .collectives import CountingComm
-from .policies import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, QuantizationPolicy
+from .quantize import SCALE_BYTES, int8_gather_nbytes, n_blocks
 
 TEXT_RESOURCE = "data/sonnets.txt"
 TEXT_TITLE = "Shakespeare's Sonnets (public domain, bundled)"
@@ -210,6 +212,12 @@ class LlamaLM(nn.Module):
 class CommBytes:
     """Bytes one rank puts into the collectives of one training step.
 
+    Attributes:
+        all_gather: every all-gather input, in bytes.
+        reduce_scatter: every reduce-scatter input, in bytes.
+        int8_values: of ``all_gather``, the int8 values of quantized parameters.
+        int8_scales: of ``all_gather``, their fp32 block scales.
+
     Example:
         >>> CommBytes(all_gather=36, reduce_scatter=72).total
         108
@@ -217,6 +225,8 @@ class CommBytes:
 
     all_gather: int
     reduce_scatter: int
+    int8_values: int = 0
+    int8_scales: int = 0
 
     @property
     def total(self) -> int:
@@ -229,6 +239,7 @@ def expected_comm_bytes(
     world: int,
     param_bytes: int,
     reduce_bytes: int,
+    quantization: QuantizationPolicy | None = None,
 ) -> CommBytes:
     """The formula the demo checks its measured bytes against.
 
@@ -242,18 +253,33 @@ def expected_comm_bytes(
     reduce-scatter). ``n_g`` is 2 for a block that reshards after forward (gathered again for
     backward) and 1 for the root, or for every group with ``--no-reshard``.
 
+    With a ``quantization`` policy, a parameter it quantizes (asked for an fp32 master, the
+    demo's) sends ``n_p = c_p * r_p`` int8 values plus ``4 * ceil(n_p / block_size)`` bytes
+    of fp32 scales into each all-gather instead of ``n_p * param_bytes``; the reduce-scatter
+    is unchanged.
+
     Example:
         >>> b = expected_comm_bytes([([torch.Size([5, 3])], 1)], world=2, param_bytes=4,
         ...                         reduce_bytes=4)
         >>> (b.all_gather, b.reduce_scatter)  # ceil(5/2) * 3 = 9 elements per rank
         (36, 72)
+        >>> q = QuantizationPolicy(all_gather="int8", block_size=4)
+        >>> expected_comm_bytes([([torch.Size([5, 3])], 1)], 2, 4, 4, q).all_gather  # 9 + 4 * 3
+        21
     """
-    ag = rs = 0
+    policy = QuantizationPolicy() if quantization is None else quantization
+    ag = rs = values = scales = 0
     for shapes, gathers in groups:
-        shard = sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
-        ag += gathers * shard * param_bytes
-        rs += world * shard * reduce_bytes
-    return CommBytes(ag, rs)
+        for s in shapes:
+            shard = math.ceil(s[0] / world) * math.prod(s[1:])
+            rs += world * shard * reduce_bytes
+            if policy.quantizes(s, torch.float32, shard):
+                ag += gathers * int8_gather_nbytes(shard, policy.block_size)
+                values += gathers * shard
+                scales += gathers * SCALE_BYTES * n_blocks(shard, policy.block_size)
+            else:
+                ag += gathers * shard * param_bytes
+    return CommBytes(ag, rs, values, scales)
 
 
 def _local_bytes(tensors: Iterable[Any]) -> int:
@@ -285,6 +311,8 @@ class DemoConfig:
         steps: AdamW steps.
         lr: peak learning rate (linear warm-up, then cosine decay to a tenth).
         mixed_precision: gather and compute in bfloat16, reduce gradients in float32.
+        quantize_all_gather: all-gather the weights block-quantized to int8
+            (``QuantizationPolicy(all_gather="int8", block_size=256)``).
         reshard: free each block's parameters after its forward (and gather them again for
             backward) rather than keep them until backward.
         trace_dir: where to write the last step's trace and memory plot, or ``None``.
@@ -302,6 +330,7 @@ class DemoConfig:
     steps: int = 200
     lr: float = 3e-3
     mixed_precision: bool = False
+    quantize_all_gather: bool = False
     reshard: bool = True
     trace_dir: Path | None = None
     device: str = "cpu"
@@ -312,6 +341,13 @@ class DemoConfig:
     def model(self) -> ModelConfig:
         """The model shape of :attr:`size`."""
         return SIZES[self.size]
+
+    @property
+    def quantization(self) -> QuantizationPolicy:
+        """The quantization policy of :attr:`quantize_all_gather` (off: the default one)."""
+        if self.quantize_all_gather:
+            return QuantizationPolicy(all_gather="int8", block_size=256)
+        return QuantizationPolicy()
 
 
 def _lr_factor(step: int, steps: int) -> float:
@@ -389,12 +425,20 @@ def _worker(rank: int, cfg: DemoConfig, port: int) -> None:
     store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        _train(rank, world, cfg)
+        train(rank, world, cfg)
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, world: int, cfg: DemoConfig) -> None:
+def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
+    """Train on this rank of the default process group, print the summary on rank 0.
+
+    Returns the loss of every step (the mean over the global batch), the same on every rank.
+
+    Example:
+        >>> cfg = DemoConfig(steps=5, quantize_all_gather=True)
+        >>> losses = train(dist.get_rank(), dist.get_world_size(), cfg)  # doctest: +SKIP
+    """
     mc = cfg.model
     device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
     text = load_text()
@@ -409,20 +453,28 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
         else MixedPrecisionPolicy()
     )
     param_bytes = 2 if cfg.mixed_precision else 4
+    quant = cfg.quantization
     expected = expected_comm_bytes(
         [([p.shape for p in block.parameters()], 2 if cfg.reshard else 1) for block in model.layers]
         + [([p.shape for n, p in model.named_parameters() if not n.startswith("layers.")], 1)],
         world,
         param_bytes=param_bytes,
         reduce_bytes=4,
+        quantization=quant,
     )
     # params + grads + the two AdamW moments, fp32, as an unsharded replica (DDP) holds them
     replica_state_bytes = 4 * 4 * n_params
 
     mesh = init_device_mesh(device.type, (world,))
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=cfg.reshard,
+            mp_policy=mp,
+            quantization_policy=quant,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, quantization_policy=quant)
     comm = CountingComm()
     model.set_comm(comm)  # type: ignore[operator]  # an FSDPModule method after fully_shard
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
@@ -436,7 +488,8 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
             f"data: {TEXT_TITLE}, {len(text):,} characters, vocabulary {len(vocab)}; "
             f"sequences of {mc.seq_len}, global batch {world} x {mc.batch_per_rank}\n"
             f"options: reshard_after_forward={cfg.reshard}, "
-            f"mixed precision={'bf16 params / fp32 reduce' if cfg.mixed_precision else 'off'}",
+            f"mixed precision={'bf16 params / fp32 reduce' if cfg.mixed_precision else 'off'}, "
+            f"all-gather={'int8, blocks of 256' if cfg.quantize_all_gather else 'unquantized'}",
             flush=True,
         )
     progress = _Progress(cfg.steps, enabled=rank == 0)
@@ -482,7 +535,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     dist.all_gather(per_rank, memory)
     recordings = trace.gather(recorder) if recorder is not None else []
     if rank != 0:
-        return
+        return losses
 
     tail = step_ms[-min(10, len(step_ms)) :]
     print(
@@ -511,6 +564,19 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
         if cfg.reshard
         else "1 per group (kept gathered from forward to backward)"
     )
+    if cfg.quantize_all_gather:
+        ag_formula = (
+            "sum over groups of n_g * (sum over its int8 params of (c * r + 4 * "
+            f"ceil(c * r / {quant.block_size})) + sum over the others of c * r * "
+            f"{param_bytes}) B\n"
+            "      int8 params: 2-D with at least one block per rank; the others (norms, "
+            "biases) are gathered unquantized\n"
+            f"      of the theory: int8 values {expected.int8_values:,} B, fp32 scales "
+            f"{expected.int8_scales:,} B, unquantized "
+            f"{expected.all_gather - expected.int8_values - expected.int8_scales:,} B"
+        )
+    else:
+        ag_formula = f"sum over groups of n_g * sum over its params of c * r * {param_bytes} B"
     print(
         "communication per step and rank (bytes this rank puts into each collective):\n"
         f"  all-gather      measured {measured.get('all_gather', 0):>12,} B   "
@@ -519,8 +585,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
         f"theory {expected.reduce_scatter:>12,} B\n"
         "  theory: the padded shards, c = ceil(d0 / W) rows of each parameter (d0 rows of r "
         f"elements), W = {world}:\n"
-        f"    all-gather     = sum over groups of n_g * sum over its params of c * r * "
-        f"{param_bytes} B\n"
+        f"    all-gather     = {ag_formula}\n"
         f"    reduce-scatter = sum over all params of W * c * r * 4 B\n"
         f"    n_g = gathers per step: {gathers}"
     )
@@ -531,6 +596,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
         )
     if cfg.trace_dir is not None:
         _write_trace(cfg.trace_dir, recordings, cfg)
+    return losses
 
 
 @torch.no_grad()
@@ -631,6 +697,12 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         help="gather and compute in bfloat16, reduce gradients in float32",
     )
     parser.add_argument(
+        "--quantize-all-gather",
+        action="store_true",
+        help="all-gather weights as block-quantized int8 (QuantizationPolicy(all_gather='int8', "
+        "block_size=256)); masters, gradients and optimizer state stay fp32",
+    )
+    parser.add_argument(
         "--reshard",
         action=argparse.BooleanOptionalAction,
         default=defaults.reshard,
@@ -682,6 +754,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         steps=args.steps,
         lr=args.lr,
         mixed_precision=args.mixed_precision,
+        quantize_all_gather=args.quantize_all_gather,
         reshard=args.reshard,
         trace_dir=args.trace,
         device=device,

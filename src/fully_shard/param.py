@@ -35,6 +35,11 @@ for it at each unshard, and the storage is reallocated when that answer changes.
 Writes into ``storage`` go through ``storage.data`` (an alias with its own version counter),
 so refilling it for backward does not trip autograd's saved-tensor version check.
 
+What the all-gather carries, and how ``storage`` is written from it, is the parameter's
+gather format (:mod:`fully_shard.quantize`): the shard in the compute dtype, copied in
+(``PLAIN``); or, under a ``QuantizationPolicy``, int8 values plus fp32 block scales,
+dequantized into ``storage``. The tensors above and their lifetimes are the same either way.
+
 Sharding on another dim ``d`` works the same way with ``c = ceil(P.size(d) / W)`` and the
 padding along ``d``; the unsharded parameter is then a (possibly non-contiguous) narrow view.
 
@@ -56,9 +61,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._compat import post_accumulate_grad_hooks
-from .collectives import GatherInput, typed_block
+from .collectives import GatherInput
 from .mesh import MeshInfo, contiguous_stride
-from .policies import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, QuantizationPolicy
+from .quantize import PLAIN, GatherFormat, gather_format
 from .spmd import TPLayout, combined_placements
 
 
@@ -179,6 +185,7 @@ class ShardedParam:
         pin_memory: bool,
         mp_policy: MixedPrecisionPolicy,
         tp: TPLayout | None = None,
+        quant_policy: QuantizationPolicy | None = None,
     ) -> None:
         self.fqn = fqn
         # Every (module, attribute) that refers to this parameter: a tied weight has several.
@@ -187,6 +194,7 @@ class ShardedParam:
         self.info = info
         self.tp = tp
         self.mp_policy = mp_policy
+        self.quant_policy = QuantizationPolicy() if quant_policy is None else quant_policy
         # What we shard: the parameter itself, or its TP-local tensor.
         source = param.to_local() if isinstance(param, DTensor) else param
         self.orig_size = source.size()
@@ -219,8 +227,9 @@ class ShardedParam:
         # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
         # forward and the backward's all-gather (which hands them over and drops them).
         self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
-        # The layout of the all-gather in flight (set by all_gather_inputs), for the copy-out.
-        self._gathering: ShardLayout | None = None
+        # The layout and format of the all-gather in flight (set by all_gather_inputs), for
+        # the copy-out.
+        self._gathering: tuple[ShardLayout, GatherFormat] | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -233,9 +242,12 @@ class ShardedParam:
         names = self.info.mesh.mesh_dim_names
         dim_name = names[self.info.shard_mesh_dim] if names else f"dim{self.info.shard_mesh_dim}"
         state = "UNSHARDED" if self.is_registered_unsharded() else "SHARDED"
+        fmt = self.gather_format()
+        quant = "" if fmt is PLAIN else f"int8/{self.quant_policy.block_size}, "
         return (
             f"ShardedParam({self.fqn}, global={tuple(self.orig_size)}, "
-            f"local={tuple(self._local.shape)}, Shard({self.shard_dim})@{dim_name}, {state})"
+            f"local={tuple(self._local.shape)}, Shard({self.shard_dim})@{dim_name}, "
+            f"{quant}{state})"
         )
 
     # -- geometry and dtypes, read when needed --------------------------------------------------
@@ -254,6 +266,10 @@ class ShardedParam:
     def padded_numel(self) -> int:
         """Elements of one padded shard: what every rank sends for this parameter."""
         return self.layout.padded_numel
+
+    def gather_format(self) -> GatherFormat:
+        """How the shard travels in its all-gather (plain or int8), asked of the policy now."""
+        return gather_format(self.quant_policy, self.orig_size, self.orig_dtype, self.padded_numel)
 
     @property
     def padded_shard_size(self) -> torch.Size:
@@ -336,46 +352,50 @@ class ShardedParam:
     # -- the all-gather seam: what this parameter sends, and how it is rebuilt ---------------------
     #
     # The group asks each parameter for its inputs, packs them into one flat buffer, gathers,
-    # and hands each parameter its blocks of the output back. A tensor subclass's
-    # fsdp_pre_all_gather / fsdp_post_all_gather, or int8 values plus scales, would plug in
-    # here: more inputs per parameter, another rebuild.
+    # and hands each parameter its blocks of the output back. What the inputs are and how the
+    # blocks become the unsharded tensor is the parameter's gather format (quantize.py): the
+    # shard itself (PLAIN), or int8 values plus fp32 scales under a QuantizationPolicy.
 
     def all_gather_inputs(self) -> list[GatherInput]:
-        """What this rank sends in the next all-gather of its group, in the compute dtype.
+        """What this rank sends in the next all-gather of its group.
 
-        Normally its local rows of the W-rank split. After a forward that kept a post-forward
-        piece (``reshard_after_forward=n``), that piece, for a gather within the n-rank group:
-        it is handed over here and this parameter keeps no reference to it.
+        Normally its local rows of the W-rank split, in the format the quantization policy
+        gives it (plain in the compute dtype, or int8 values and scales). After a forward
+        that kept a post-forward piece (``reshard_after_forward=n``), that piece, plain, for
+        a gather within the n-rank group: it holds the rows forward computed with (already
+        dequantized), and it is handed over here; this parameter keeps no reference to it.
         """
         if self._post_forward is not None:
             data, layout = self._post_forward
             self._post_forward = None
+            fmt: GatherFormat = PLAIN
         else:
             data, layout = self._local, self.layout
-        self._gathering = layout
-        return [GatherInput(data, self.compute_dtype, layout.padded_shard_size, layout.dim)]
+            fmt = self.gather_format()
+        self._gathering = (layout, fmt)
+        return fmt.inputs(data, layout.padded_shard_size, layout.dim, self.compute_dtype)
 
     def all_gather_destinations(self) -> list[torch.Tensor] | None:
         """``(world, numel)`` views of the storage the gathered blocks can be copied straight
-        into, one per input; ``None`` when that view does not exist (sharded on a dim > 0)."""
-        layout, alias = self._gathering, self._storage_alias
-        if layout is None or alias is None or self.shard_dim != 0:
+        into, one per input; ``None`` when that view does not exist (sharded on a dim > 0) or
+        the blocks must be unpacked first (int8)."""
+        gathering, alias = self._gathering, self._storage_alias
+        if gathering is None or alias is None or self.shard_dim != 0 or not gathering[1].direct:
             return None
-        return [alias.view(layout.world, -1)]
+        return [alias.view(gathering[0].world, -1)]
 
     def finish_all_gather(self, blocks: list[torch.Tensor] | None) -> None:
         """Rebuild the unsharded storage from this parameter's ``(world, numel)`` output blocks
         (``None``: they were already copied into :meth:`all_gather_destinations`)."""
-        layout, alias = self._gathering, self._storage_alias
+        gathering, alias = self._gathering, self._storage_alias
         self._gathering = None
         if blocks is None:
             return
-        if layout is None or alias is None:
+        if gathering is None or alias is None:
             raise RuntimeError(f"{self.fqn}: all-gather output before its input (internal error)")
-        (block,) = blocks
-        typed = typed_block(block, alias.dtype)
+        layout, fmt = gathering
         # rank r's padded shard lands at rows [r*chunk, (r+1)*chunk) of dim `shard_dim`
-        layout.ranked(alias).copy_(typed.reshape(layout.world, *layout.padded_shard_size))
+        fmt.rebuild(blocks, layout.ranked(alias))
 
     # -- the post-forward piece (reshard_after_forward=n) -------------------------------------
 
