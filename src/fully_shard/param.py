@@ -32,13 +32,12 @@ The dtypes are read when they matter, never copied at construction: the sharded 
 local shard's (``model.to(torch.float64)`` changes it), the compute dtype is the policy's answer
 for it at each unshard, and the storage is reallocated when that answer changes.
 
-Writes into ``storage`` go through ``storage.data`` (an alias with its own version counter),
-so refilling it for backward does not trip autograd's saved-tensor version check.
-
-What the all-gather carries, and how ``storage`` is written from it, is the parameter's
-gather format (:mod:`fully_shard.quantize`): the shard in the compute dtype, copied in
-(``PLAIN``); or, under a ``QuantizationPolicy``, int8 values plus fp32 block scales,
-dequantized into ``storage``. The tensors above and their lifetimes are the same either way.
+``storage`` and everything the all-gather does to it belong to the parameter's *unsharded
+side* (:mod:`fully_shard.storage`): a :class:`~fully_shard.storage.DenseStorage` written
+through the parameter's gather format (:mod:`fully_shard.quantize`: the shard in the compute
+dtype, copied in, or int8 values plus fp32 block scales, dequantized), or a tensor subclass's
+own all-gather (:mod:`fully_shard.extensions`). The tensors above and their lifetimes are the
+same either way.
 
 Sharding on another dim ``d`` works the same way with ``c = ceil(P.size(d) / W)`` and the
 padding along ``d``; the unsharded parameter is then a (possibly non-contiguous) narrow view.
@@ -66,6 +65,7 @@ from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
 from .spmd import TPLayout, combined_placements
+from .storage import DenseStorage, UnshardedSide
 
 
 def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
@@ -222,14 +222,11 @@ class ShardedParam:
         self._local: torch.Tensor = local
 
         self.unsharded_param: nn.Parameter | None = None
-        self._storage: torch.Tensor | None = None
-        self._storage_alias: torch.Tensor | None = None
+        # Where the gathered bytes go and how they become unsharded_param (storage.py).
+        self.unsharded_side: UnshardedSide = DenseStorage()
         # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
         # forward and the backward's all-gather (which hands them over and drops them).
         self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
-        # The layout and format of the all-gather in flight (set by all_gather_inputs), for
-        # the copy-out.
-        self._gathering: tuple[ShardLayout, GatherFormat] | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -352,9 +349,10 @@ class ShardedParam:
     # -- the all-gather seam: what this parameter sends, and how it is rebuilt ---------------------
     #
     # The group asks each parameter for its inputs, packs them into one flat buffer, gathers,
-    # and hands each parameter its blocks of the output back. What the inputs are and how the
-    # blocks become the unsharded tensor is the parameter's gather format (quantize.py): the
-    # shard itself (PLAIN), or int8 values plus fp32 scales under a QuantizationPolicy.
+    # and hands each parameter its blocks of the output back. Everything between the shard
+    # and the unsharded tensor (what is sent, where the gathered bytes land, how they become
+    # the unsharded tensor, and freeing it) is this parameter's *unsharded side*, one object
+    # (storage.py): a padded dense storage written through a gather format (plain or int8).
 
     def all_gather_inputs(self) -> list[GatherInput]:
         """What this rank sends in the next all-gather of its group.
@@ -365,44 +363,26 @@ class ShardedParam:
         a gather within the n-rank group: it holds the rows forward computed with (already
         dequantized), and it is handed over here; this parameter keeps no reference to it.
         """
-        if self._post_forward is not None:
-            data, layout = self._post_forward
-            self._post_forward = None
-            fmt: GatherFormat = PLAIN
-        else:
-            data, layout = self._local, self.layout
-            fmt = self.gather_format()
-        self._gathering = (layout, fmt)
-        return fmt.inputs(data, layout.padded_shard_size, layout.dim, self.compute_dtype)
+        piece, self._post_forward = self._post_forward, None
+        return self.unsharded_side.inputs(self, piece)
 
     def all_gather_destinations(self) -> list[torch.Tensor] | None:
-        """``(world, numel)`` views of the storage the gathered blocks can be copied straight
-        into, one per input; ``None`` when that view does not exist (sharded on a dim > 0) or
-        the blocks must be unpacked first (int8)."""
-        gathering, alias = self._gathering, self._storage_alias
-        if gathering is None or alias is None or self.shard_dim != 0 or not gathering[1].direct:
-            return None
-        return [alias.view(gathering[0].world, -1)]
+        """``(world, numel)`` views the gathered blocks can be copied straight into, one per
+        input; ``None`` when they must be rebuilt from the blocks instead."""
+        return self.unsharded_side.destinations()
 
     def finish_all_gather(self, blocks: list[torch.Tensor] | None) -> None:
-        """Rebuild the unsharded storage from this parameter's ``(world, numel)`` output blocks
+        """Rebuild the unsharded tensor from this parameter's ``(world, numel)`` output blocks
         (``None``: they were already copied into :meth:`all_gather_destinations`)."""
-        gathering, alias = self._gathering, self._storage_alias
-        self._gathering = None
-        if blocks is None:
-            return
-        if gathering is None or alias is None:
-            raise RuntimeError(f"{self.fqn}: all-gather output before its input (internal error)")
-        layout, fmt = gathering
-        # rank r's padded shard lands at rows [r*chunk, (r+1)*chunk) of dim `shard_dim`
-        fmt.rebuild(blocks, layout.ranked(alias))
+        self.unsharded_side.finish(self, blocks)
 
     # -- the post-forward piece (reshard_after_forward=n) -------------------------------------
 
     def reshard_to_post_forward(self, world: int, rank: int) -> None:
         """Keep rank ``rank``'s rows of a ``world``-rank split of the gathered tensor, free the
         rest, and show the sharded DTensor again."""
-        alias = self._storage_alias
+        side = self.unsharded_side
+        alias = side.alias if isinstance(side, DenseStorage) else None
         if alias is None or not self.storage_allocated():
             raise RuntimeError(f"{self.fqn}: post-forward reshard while sharded (internal error)")
         layout = self.layout.regrouped(world, rank)
@@ -427,45 +407,15 @@ class ShardedParam:
     # -- the unsharded side -------------------------------------------------------------------
 
     def alloc_storage(self) -> None:
-        """Allocate (first time: create) the padded unsharded storage and the unsharded param.
-
-        The storage is in the compute dtype of now: if that changed since the last unshard
-        (``model.to(dtype)``), it is allocated anew and the unsharded parameter (the same
-        ``nn.Parameter`` object, so hooks on it stay) is pointed at it.
-        """
-        dtype, device = self.compute_dtype, self.info.device
-        if self._storage is not None and self._storage.dtype == dtype:
-            untyped = self._storage.untyped_storage()
-            nbytes = self._storage.numel() * self._storage.element_size()
-            if untyped.size() != nbytes:
-                untyped.resize_(nbytes)
-            return
-        storage = torch.empty(self.layout.padded_full_size, dtype=dtype, device=device)
-        self._storage = storage
-        self._storage_alias = storage.data
-        view = storage.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim])
-        if self.tp is not None:
-            # The TP modules compute with DTensors on the TP mesh; it wraps the same bytes.
-            view = DTensor.from_local(
-                view,
-                self.tp.mesh,
-                self.tp.placements,
-                run_check=False,
-                shape=self.tp.size,
-                stride=self.tp.stride,
-            )
-        if self.unsharded_param is None:
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
-        else:
-            self.unsharded_param.data = view
+        """Allocate (first time: create) the unsharded bytes and the unsharded parameter."""
+        self.unsharded_side.alloc(self)
 
     def free_storage(self) -> None:
         """Free the unsharded bytes; the tensor objects (and autograd's references) stay."""
-        if self._storage is not None:
-            self._storage.untyped_storage().resize_(0)
+        self.unsharded_side.free()
 
     def storage_allocated(self) -> bool:
-        return self._storage is not None and self._storage.untyped_storage().size() > 0
+        return self.unsharded_side.allocated()
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make every slot (module attribute) that refers to this parameter show ``tensor``."""
