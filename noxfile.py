@@ -28,7 +28,8 @@ def tests(session: nox.Session) -> None:
     """Run the test suite; extra arguments go to pytest (``nox -s tests -- -k harness``).
 
     ``[hf]`` brings ``transformers`` and ``peft`` for the Hugging Face tests (they skip
-    without them).
+    without them); ``[test]`` brings ``torchao`` for the float8 test (pinned in
+    constraints.txt).
     """
     session.install("-e", ".[test,hf]", *CONSTRAINTS)
     session.run("pytest", *session.posargs)

@@ -175,3 +175,17 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """
     concatenated: DeviceMesh = DeviceMesh._concatenate(meshes)
     return concatenated
+
+
+def local_tensor(dt: torch.Tensor) -> torch.Tensor:
+    """The tensor a DTensor holds for this rank: the very object, not a view of it.
+
+    A tensor subclass's all-gather hooks are called on it, and what a user sets on it between
+    steps must reach them: torchao's ``precompute_float8_dynamic_scale_for_fsdp`` stores the
+    next scale as an attribute of ``weight._local_tensor``. ``to_local()`` returns that object
+    only for a plain DTensor under no_grad; for an ``nn.Parameter(DTensor)`` torch 2.13
+    returns a fresh ``view_as`` (a new subclass wrapper, without the attribute). torch's FSDP2
+    reads ``_local_tensor`` for the same reason; 2.6 has it too.
+    """
+    local: torch.Tensor = dt._local_tensor  # type: ignore[attr-defined]
+    return local

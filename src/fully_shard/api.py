@@ -26,6 +26,7 @@ from .errors import (
     FullyShardTypeError,
     FullyShardValueError,
 )
+from .extensions import check_extension_plan
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
 from .mesh import (
@@ -242,6 +243,7 @@ def fully_shard(
                 reshard_after_forward, group_info.shard_size, warn=False
             )
         _check_post_forward_plans(size, group_plans)
+        _check_extension_plans(size, group_plans)
         post_forward_sizes.append(size)
 
     # -- every check passed: from here on the module changes --------------------------------
@@ -442,6 +444,15 @@ def _check_post_forward_plans(size: int | None, plans: list[_ParamPlan]) -> None
                 "not supported (nor by torch's fully_shard); pass True or False for the "
                 "modules with tensor-parallel parameters"
             )
+
+
+def _check_extension_plans(size: int | None, plans: list[_ParamPlan]) -> None:
+    """Tensor-subclass parameters with all-gather hooks: what they cannot do, refused now."""
+    with torch.no_grad():
+        for plan in plans:
+            p = plan.param
+            local = p.to_local() if isinstance(p, DTensor) else p
+            check_extension_plan(local, plan.fqn, plan.shard_dim, plan.tp is not None, size)
 
 
 def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> set[nn.Parameter]:

@@ -36,8 +36,9 @@ for it at each unshard, and the storage is reallocated when that answer changes.
 side* (:mod:`fully_shard.storage`): a :class:`~fully_shard.storage.DenseStorage` written
 through the parameter's gather format (:mod:`fully_shard.quantize`: the shard in the compute
 dtype, copied in, or int8 values plus fp32 block scales, dequantized), or a tensor subclass's
-own all-gather (:mod:`fully_shard.extensions`). The tensors above and their lifetimes are the
-same either way.
+own all-gather (:mod:`fully_shard.extensions`: torchao's float8 weights; the local shard
+keeps its subclass, and the hooks' outputs take the place of ``storage``). The tensors above
+and their lifetimes are the same either way.
 
 Sharding on another dim ``d`` works the same way with ``c = ceil(P.size(d) / W)`` and the
 padding along ``d``; the unsharded parameter is then a (possibly non-contiguous) narrow view.
@@ -61,6 +62,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import post_accumulate_grad_hooks
 from .collectives import GatherInput
+from .extensions import SubclassGather, has_extension
 from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
@@ -205,7 +207,16 @@ class ShardedParam:
         )
 
         with torch.no_grad():
-            if param.device.type == "meta":
+            if has_extension(source):
+                # The rows keep their subclass (its own narrow and clone), so its hooks and
+                # its __torch_dispatch__ see every later op, as with torch's FSDP2.
+                local = source.detach().narrow(
+                    shard_dim, self.layout.offset, self.layout.local_rows
+                )
+                local = local.clone(memory_format=torch.contiguous_format)
+                if local.device.type != "meta" and local.device != shard_device:
+                    local = local.to(shard_device)
+            elif param.device.type == "meta":
                 local = torch.empty(self.layout.local_size, dtype=param.dtype, device="meta")
             else:
                 local = source.detach().narrow(
@@ -224,6 +235,7 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         # Where the gathered bytes go and how they become unsharded_param (storage.py).
         self.unsharded_side: UnshardedSide = DenseStorage()
+        self._choose_unsharded_side()
         # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
         # forward and the backward's all-gather (which hands them over and drops them).
         self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
@@ -316,7 +328,19 @@ class ShardedParam:
                     self._dtensor_from_local(local), requires_grad=self.requires_grad
                 )
             self._local = local
+        self._choose_unsharded_side()
         self.register(self.sharded_param)
+
+    def _choose_unsharded_side(self) -> None:
+        """Gather through the local shard's hooks if it has them (asked again at lazy init:
+        ``_apply`` may have replaced it, or the hooks were patched on after ``fully_shard``)."""
+        side = self.unsharded_side
+        if has_extension(self._local):
+            if not isinstance(side, SubclassGather):
+                module = self.slots[0][0]
+                self.unsharded_side = SubclassGather(self.fqn, self.orig_size, module, self.info)
+        elif not isinstance(side, DenseStorage):
+            self.unsharded_side = DenseStorage()
 
     def _dtensor_from_local(self, local: torch.Tensor) -> DTensor:
         if self.tp is None:
