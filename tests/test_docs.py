@@ -61,6 +61,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "compile.py": (["--backend", "aot_eager"], r"step 2: loss \d"),
     "hf_llama.py": ([], r"step 2: loss \d"),
     "peft_lora.py": ([], r"step 2: loss \d\S*, \d+ of \d+ parameters trainable"),
+    "float8.py": ([], r"step 2: loss \d\S*, 1\.00 bytes per gathered element"),
     "low_memory_step.py": ([], r"step 2: loss \d\S*, (\d+) of \1 parameters stepped"),
     "desync.py": ([], r"step 1: rank 0: collectives diverged .* 'layers\.2'"),
     # 2 ranks: TP 2 x DP 1 (tests/test_example_2d.py runs 2 x 2 under torchrun)
@@ -75,7 +76,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
         r"finished 4 steps",
     ),
 }
-NEEDS = {"hf_llama.py": "transformers", "peft_lora.py": "peft"}
+NEEDS = {"hf_llama.py": "transformers", "peft_lora.py": "peft", "float8.py": "torchao"}
 SHARED = {"toy.py", "llama.py"}  # modules the scripts import, not scripts
 
 
