@@ -2,9 +2,12 @@
 
 Nothing else in the package touches a torch name that starts with an underscore (apart from
 ``nn.Module._parameters``, which every module wrapper reads). Every entry was run on torch
-2.13.0 (the pinned CI version) and 2.6.0 (the oldest supported release: the test suite but
-``test_ecosystem.py``, 2026-12-03); releases in between have not been run, so this file is the
-one place to check when they are.
+2.13.0 (the pinned CI version). The first ones were also run on 2.6.0 (the oldest supported
+release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
+(``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
+``flatten_mesh``, ``local_tensor``) only on 2.13.0, each written to fall back or to use a name
+2.6 has. Releases in between have not been run, so this file is the one place to check when
+they are.
 """
 
 from __future__ import annotations
