@@ -209,13 +209,12 @@ class SubclassGather:
                 result = pre(self.mesh)
             else:
                 result = pre(self.mesh, self.outer_size, self.outer_stride, self.module, mp_policy)
-        if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            raise FullyShardTypeError(
-                f"parameter {self.fqn!r}: {type(local).__name__}.fsdp_pre_all_gather returned "
-                f"a {type(result).__name__}; it must return (all_gather_inputs, metadata), a "
-                "tuple of tensors and any object"
-            )
-        tensors, metadata = result
+        tensors, metadata = self._pair(
+            result,
+            local,
+            "fsdp_pre_all_gather",
+            "it must return (all_gather_inputs, metadata), a tuple of tensors and any object",
+        )
         rows = local.size(0)
         # Every rank knows whether the split is uneven, so every rank applies the same rule
         # (and raises alike) instead of one rank failing while the others wait to gather.
@@ -241,6 +240,15 @@ class SubclassGather:
         self._dtypes = [gi.dtype for gi in gathered]
         self._world = world
         return gathered
+
+    def _pair(self, result: object, local: torch.Tensor, hook: str, rule: str) -> tuple[Any, Any]:
+        """``result`` as the 2-tuple a hook must return, or an error naming the hook."""
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise FullyShardTypeError(
+                f"parameter {self.fqn!r}: {type(local).__name__}.{hook} returned a "
+                f"{type(result).__name__}; {rule}"
+            )
+        return result[0], result[1]
 
     def alloc(self, p: ShardedParam) -> None:
         """Make the output buffers of the pending gather: resized back, or new if its input
@@ -302,13 +310,12 @@ class SubclassGather:
             post(outputs, metadata, param_dtype, out=out)
             return None
         result = post(outputs, metadata, param_dtype)
-        if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            raise FullyShardTypeError(
-                f"parameter {self.fqn!r}: {type(local).__name__}.fsdp_post_all_gather returned "
-                f"a {type(result).__name__}; without out= it must return (unsharded_tensor, "
-                "inner_tensors_to_free)"
-            )
-        unsharded, inner = result
+        unsharded, inner = self._pair(
+            result,
+            local,
+            "fsdp_post_all_gather",
+            "without out= it must return (unsharded_tensor, inner_tensors_to_free)",
+        )
         if not isinstance(unsharded, torch.Tensor):
             raise FullyShardTypeError(
                 f"parameter {self.fqn!r}: fsdp_post_all_gather returned a "

@@ -80,7 +80,6 @@ class DenseStorage:
         self.alias: torch.Tensor | None = None
         # The layout and format of the all-gather in flight (set by inputs), for the copy-out.
         self._gathering: tuple[ShardLayout, GatherFormat] | None = None
-        self._shard_dim = 0
 
     def inputs(
         self, p: ShardedParam, piece: tuple[torch.Tensor, ShardLayout] | None
@@ -92,7 +91,6 @@ class DenseStorage:
             data, layout = p.local_shard, p.layout
             fmt = p.gather_format()
         self._gathering = (layout, fmt)
-        self._shard_dim = p.shard_dim
         return fmt.inputs(data, layout.padded_shard_size, layout.dim, p.compute_dtype)
 
     def alloc(self, p: ShardedParam) -> None:
@@ -132,7 +130,7 @@ class DenseStorage:
         """``None`` when the storage has no ``(world, numel)`` view (sharded on a dim > 0) or
         the blocks must be unpacked first (int8)."""
         gathering, alias = self._gathering, self.alias
-        if gathering is None or alias is None or self._shard_dim != 0 or not gathering[1].direct:
+        if gathering is None or alias is None or gathering[0].dim != 0 or not gathering[1].direct:
             return None
         return [alias.view(gathering[0].world, -1)]
 
