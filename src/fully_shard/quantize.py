@@ -79,13 +79,27 @@ _SCALE_FACTOR = (1 + 2.0**-22) / QMAX
 _SMALLEST_SUBNORMAL = 2.0**-149
 
 
-def _block_scales(blocks: torch.Tensor) -> torch.Tensor:
-    """``(n_blocks,)`` fp32: ``max |x| / 127`` per row of ``blocks``, never below it, never 0.
+def _scales_from_abs(abs_blocks: torch.Tensor) -> torch.Tensor:
+    """``(n_blocks,)`` fp32: ``max |x| / 127`` per row of ``|blocks|``, never below it, never 0.
 
     Few ops on purpose: at the shard sizes of a transformer block each costs more in dispatch
     than in arithmetic.
     """
-    return blocks.abs().amax(dim=1).mul_(_SCALE_FACTOR).add_(_SMALLEST_SUBNORMAL)
+    return abs_blocks.amax(dim=1).mul_(_SCALE_FACTOR).add_(_SMALLEST_SUBNORMAL)
+
+
+def _rounded_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``round(x / s)`` as fp32 ``(n_blocks, block_size)`` (zero-padded) and the scales ``s``.
+
+    The values are whole numbers in ``[-127, 127]``, so any later cast to int8 is exact: the
+    engine lets copy-in do that cast while it writes the all-gather buffer (one pass less).
+    """
+    blocks = _blocked(x if x.dtype == torch.float32 else x.float(), block_size)  # (n_blocks, B)
+    # One temporary of the shard's size, used twice: |x|, then x / s. At these sizes a fresh
+    # buffer costs more in page faults than the arithmetic that fills it.
+    work = blocks.abs()
+    scales = _scales_from_abs(work)  # (n_blocks,), all > 0
+    return torch.div(blocks, scales[:, None], out=work).round_(), scales
 
 
 def quantize_blocks(
@@ -98,14 +112,10 @@ def quantize_blocks(
     if x.dim() != 1:
         raise ValueError(f"quantize_blocks takes a flat tensor, got shape {tuple(x.shape)}")
     n = x.numel()
-    x = x.detach()
-    blocks = _blocked(x if x.dtype == torch.float32 else x.float(), block_size)  # (n_blocks, B)
-    scales = _block_scales(blocks)  # (n_blocks,), all > 0
-    values = blocks.div(scales[:, None]).round_().to(torch.int8)
-    values = values.view(-1)[:n]
+    rounded, scales = _rounded_blocks(x.detach(), block_size)
     if out is None:
-        return values, scales
-    out[0].copy_(values)
+        return rounded.view(-1)[:n].to(torch.int8), scales
+    out[0].copy_(rounded.view(-1)[:n])
     out[1].copy_(scales)
     return out
 
@@ -122,6 +132,8 @@ def dequantize_into(
     """
     rows, n = values.shape
     full = n // block_size
+    # A copy, then a multiply in place: two passes, but each a same-dtype kernel. One mixed
+    # int8 * fp32 multiply into `out` measured 15% slower here (no vectorized cast path).
     out.copy_(values)
     if full:
         out[:, : full * block_size].view(rows, full, block_size).mul_(scales[:, :full, None])
@@ -240,9 +252,10 @@ class Int8BlockGather:
             padded = shard.new_zeros(padded_size)
             padded.narrow(dim, 0, rows).copy_(shard)
             flat = padded.view(-1)
-        values, scales = quantize_blocks(flat, self.block_size)
+        rounded, scales = _rounded_blocks(flat.detach(), self.block_size)
+        # Sent as int8: copy-in casts the whole-numbered fp32 values on the way (exact).
         return [
-            GatherInput(values, torch.int8, torch.Size([numel]), 0),
+            GatherInput(rounded.view(-1)[: flat.numel()], torch.int8, torch.Size([numel]), 0),
             GatherInput(scales, torch.float32, torch.Size([n_blocks(numel, self.block_size)]), 0),
         ]
 
