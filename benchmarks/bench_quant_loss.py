@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -111,6 +112,36 @@ def summarize(curves: dict[str, list[float]]) -> dict[str, Any]:
     return rows
 
 
+def across_seeds(rows_by_seed: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, its final loss vs the fp32 run of the same seed, over the seeds."""
+    names = next(iter(rows_by_seed.values())).keys()
+    out = {}
+    for name in names:
+        diffs = sorted(rows[name]["final_rel_diff_vs_fp32"] for rows in rows_by_seed.values())
+        out[name] = {
+            "final_rel_diff_vs_fp32": diffs,
+            "median": statistics.median(diffs),
+            "min": diffs[0],
+            "max": diffs[-1],
+            "max_abs": max(abs(d) for d in diffs),
+            "within_1pct": sum(abs(d) <= 0.01 for d in diffs),
+        }
+    return out
+
+
+def _print_rows(args: argparse.Namespace, seed: int, rows: dict[str, Any]) -> None:
+    print(
+        f"\n== demo size={args.size}, W={args.nproc}, {args.steps} steps, seed {seed} "
+        "(weights and data, the same for every config)"
+    )
+    print(f"{'config':<12}{'final':>9}{'vs fp32':>10}{'last-10% mean':>15}{'vs fp32':>10}")
+    for name, r in rows.items():
+        print(
+            f"{name:<12}{r['final']:>9.4f}{100 * r['final_rel_diff_vs_fp32']:>+9.2f}%"
+            f"{r['tail_mean']:>15.4f}{100 * r['tail_mean_rel_diff_vs_fp32']:>+9.2f}%"
+        )
+
+
 def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
     """Loss curves and their smoothed relative difference to fp32; False without matplotlib."""
     try:
@@ -153,29 +184,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}"
     )
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated demo seeds (weights and batches); every config runs with each",
+    )
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write the curves as a PNG")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if "fp32" not in names or any(n not in CONFIGS for n in names):
         parser.error(f"--configs takes names from {','.join(CONFIGS)} and must include fp32")
-    base = demo.DemoConfig(size=args.size, steps=args.steps, nproc=args.nproc, sample_chars=0)
-    curves = {}
-    for name in names:
-        print(f"== {name}", flush=True)
-        curves[name] = run(replace(base, **CONFIGS[name]))
-    rows = summarize(curves)
-    print(f"\n== demo size={args.size}, W={args.nproc}, {args.steps} steps, same seed and data")
-    print(f"{'config':<12}{'final':>9}{'vs fp32':>10}{'last-10% mean':>15}{'vs fp32':>10}")
-    for name, r in rows.items():
-        print(
-            f"{name:<12}{r['final']:>9.4f}{100 * r['final_rel_diff_vs_fp32']:>+9.2f}%"
-            f"{r['tail_mean']:>15.4f}{100 * r['tail_mean_rel_diff_vs_fp32']:>+9.2f}%"
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    if not seeds:
+        parser.error("--seeds takes a comma-separated list of integers")
+    per_seed: dict[int, dict[str, Any]] = {}
+    for seed in seeds:
+        base = demo.DemoConfig(
+            size=args.size, steps=args.steps, nproc=args.nproc, sample_chars=0, seed=seed
         )
-    summary = {"config": vars(args) | {"plot": str(args.plot)}, "rows": rows, "curves": curves}
+        curves = {}
+        for name in names:
+            print(f"== seed {seed}: {name}", flush=True)
+            curves[name] = run(replace(base, **CONFIGS[name]))
+        per_seed[seed] = {"rows": summarize(curves), "curves": curves}
+        _print_rows(args, seed, per_seed[seed]["rows"])
+    across = across_seeds({s: r["rows"] for s, r in per_seed.items()})
+    if len(seeds) > 1:
+        print(f"\n== across seeds {','.join(map(str, seeds))}: final loss vs fp32 of the same seed")
+        print(f"{'config':<12}{'median':>9}{'min':>9}{'max':>9}{'max |d|':>9}{'|d|<=1%':>9}")
+        for name, a in across.items():
+            print(
+                f"{name:<12}{100 * a['median']:>+8.2f}%{100 * a['min']:>+8.2f}%"
+                f"{100 * a['max']:>+8.2f}%{100 * a['max_abs']:>8.2f}%"
+                f"{a['within_1pct']:>6}/{len(seeds)}"
+            )
+    first = per_seed[seeds[0]]
+    rows, curves = first["rows"], first["curves"]
+    summary = {
+        "config": vars(args) | {"plot": str(args.plot)},
+        "rows": rows,
+        "curves": curves,
+        "seeds": {str(seed): r for seed, r in per_seed.items()},
+        "across_seeds": across,
+    }
     summary["config"]["json_out"] = str(args.json_out)
     if args.plot is not None:
-        title = f"demo '{args.size}', W={args.nproc}: int8 all-gathers vs fp32 (same seed)"
+        title = (
+            f"demo '{args.size}', W={args.nproc}, seed {seeds[0]}: int8 all-gathers vs fp32 "
+            "(same seed)"
+        )
         if plot(curves, args.plot, title):
             print(f"plot: {args.plot}")
         else:

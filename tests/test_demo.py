@@ -129,6 +129,11 @@ def test_the_bundled_text_ships_inside_the_package() -> None:
     assert len(text) > 20_000 and "Shall I compare thee to a summer's day?" in text
 
 
+def test_seed_reaches_the_config() -> None:
+    assert demo.parse_args([]).seed == 0  # the seed every documented number was taken with
+    assert demo.parse_args(["--seed", "3"]).seed == 3
+
+
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in (
         (["--nproc", "0"], "--nproc must be at least 1"),

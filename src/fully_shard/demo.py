@@ -318,6 +318,8 @@ class DemoConfig:
         trace_dir: where to write the last step's trace and memory plot, or ``None``.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
         sample_chars: characters of text to generate at the end (0: none).
+        seed: the initial weights come from ``torch.manual_seed(seed)``, the batches from a
+            generator seeded ``1234 + seed`` (the same on every rank).
         timeout_s: the whole run is stopped after this many seconds.
 
     Example:
@@ -335,6 +337,7 @@ class DemoConfig:
     trace_dir: Path | None = None
     device: str = "cpu"
     sample_chars: int = 120
+    seed: int = 0
     timeout_s: float = 900.0
 
     @property
@@ -444,7 +447,7 @@ def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
     text = load_text()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text], device=device)
-    torch.manual_seed(0)  # the same initial model on every rank
+    torch.manual_seed(cfg.seed)  # the same initial model on every rank
     model = LlamaLM(len(vocab), mc).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     mp = (
@@ -493,7 +496,7 @@ def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
             flush=True,
         )
     progress = _Progress(cfg.steps, enabled=rank == 0)
-    gen = torch.Generator().manual_seed(1234)  # the same global batch on every rank
+    gen = torch.Generator().manual_seed(1234 + cfg.seed)  # the same global batch on every rank
     losses: list[float] = []
     step_ms: list[float] = []
     recorder: trace.Recorder | None = None
@@ -729,6 +732,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         help="characters to generate at the end",
     )
     parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="initial weights and batch order"
+    )
+    parser.add_argument(
         "--timeout", type=float, default=defaults.timeout_s, help="stop the run after this many s"
     )
     args = parser.parse_args(argv)
@@ -759,6 +765,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         trace_dir=args.trace,
         device=device,
         sample_chars=max(0, args.sample),
+        seed=args.seed,
         timeout_s=args.timeout,
     )
 
