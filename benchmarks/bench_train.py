@@ -9,7 +9,10 @@ builds the same model from the same seed once per implementation:
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard`` (torch's FSDP2), wrapped the same way;
   ``--wrap head`` also makes ``[norm, output]`` one group of its own (not resharded after
   forward) for both, so the head's gradients are reduced as soon as they are ready;
-* ``ddp``   -- ``torch.nn.parallel.DistributedDataParallel``.
+* ``ddp``   -- ``torch.nn.parallel.DistributedDataParallel``;
+* ``ours-nogather`` (only when asked for) -- ours with every all-gather replaced by a local
+  copy of the rank's own shard into each slot: no bytes move, the losses are wrong by design.
+  A floor for the step time: what ours would take if all-gathers cost nothing.
 
 All of them train on the same global batches with AdamW. After a warm-up they run interleaved,
 a few steps each in rotating order (ABC, BCA, CAB, ...), so that noise from the machine falls on
@@ -66,8 +69,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import fully_shard as fs
 from fully_shard.quantize import int8_gather_nbytes
 
-IMPLS = ("ours", "ours-int8", "fsdp2", "ddp")
-OURS = ("ours", "ours-int8")
+IMPLS = ("ours", "ours-int8", "fsdp2", "ddp", "ours-nogather")
+DEFAULT_IMPLS = IMPLS[:4]
+OURS = ("ours", "ours-int8", "ours-nogather")
 ZERO3 = (*OURS, "fsdp2")
 PHASES = ("forward", "backward", "optimizer")
 LABELS = {
@@ -75,6 +79,7 @@ LABELS = {
     "ours-int8": "ours, int8 gather",
     "fsdp2": "torch FSDP2",
     "ddp": "torch DDP",
+    "ours-nogather": "ours, no-op gathers",
 }
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
@@ -321,6 +326,30 @@ class RankContext:
             torch.cuda.synchronize(self.device)
 
 
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class NoGatherComm(fs.TorchComm):
+    """``ours-nogather``'s Comm: all-gathers that move no bytes; the rest as ``TorchComm``.
+
+    Each rank copies its own shard into every rank's slot of the output, so the unsharded
+    parameters are wrong (every slot holds this rank's rows) but the engine does all its other
+    work: copy-in, copy-out, hooks, prefetch, reduce-scatter. Timing only.
+    """
+
+    def all_gather(
+        self, output: Tensor, input: Tensor, group: dist.ProcessGroup, async_op: bool
+    ) -> _Done | None:
+        n = input.numel()
+        for r in range(group.size()):
+            slot = output.narrow(0, r * n, n)
+            if slot.data_ptr() != input.data_ptr():
+                slot.copy_(input)
+        return _Done() if async_op else None
+
+
 def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model from the run's seed, wrapped by ``impl``, and its AdamW optimizer."""
     torch.manual_seed(ctx.opts.seed)
@@ -338,6 +367,8 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
             # the embedding's, the last gradient of the step.
             shard([model.norm, model.output], mesh=ctx.mesh, reshard_after_forward=False)
         shard(model, mesh=ctx.mesh)
+        if impl == "ours-nogather":
+            model.set_comm(NoGatherComm())  # type: ignore[operator]
     elif impl == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # The RoPE tables are the same on every rank: no buffer broadcast before each forward.
@@ -375,7 +406,7 @@ def attach_counter(impl: str, model: nn.Module) -> Callable[[], dict[str, dict[s
     torch's default ``allreduce_hook``. Only the step that reads the counts uses them.
     """
     if impl in OURS:
-        comm = fs.CountingComm()
+        comm = fs.CountingComm(NoGatherComm() if impl == "ours-nogather" else fs.TorchComm())
         model.set_comm(comm)  # type: ignore[operator]
         return lambda: {"bytes": comm.bytes_by_op(), "calls": comm.count_by_op()}
     counter = OpCounter()
@@ -808,7 +839,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
         if mine not in impls:
             continue
         ours = impls[mine]
-        others = ("ours", "fsdp2", "ddp") if mine == "ours-int8" else ("fsdp2", "ddp")
+        others = ("fsdp2", "ddp") if mine == "ours" else ("ours", "fsdp2", "ddp")
         for other in others:
             if other in impls:
                 ratios[f"{mine}/{other}"] = {
@@ -913,6 +944,11 @@ def print_report(s: dict[str, Any]) -> None:
             f"ours-int8 final loss vs the unquantized reference: "
             f"{100 * int8['final_loss_rel_diff_vs_ref']:+.2f}%"
         )
+    if "ours-nogather" in s["impls"]:
+        print(
+            "ours-nogather: every all-gather a local copy, no bytes moved (a floor for the step "
+            "time; its losses are wrong by design)"
+        )
 
 
 def _free_port() -> int:
@@ -932,8 +968,8 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
     parser.add_argument("--nproc", type=int, default=2, help="world size: local ranks to spawn")
     parser.add_argument(
         "--impls",
-        default=",".join(IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)}",
+        default=",".join(DEFAULT_IMPLS),
+        help=f"comma-separated subset of {','.join(IMPLS)} (default: all but ours-nogather)",
     )
     parser.add_argument(
         "--block-size", type=int, default=256, help="ours-int8: elements per fp32 scale"
