@@ -299,3 +299,49 @@ def test_cpu_offload_matches_no_offload() -> None:
     offloaded = run_distributed(_offload_run, 2, True)[0]
     for key, value in plain.items():
         torch.testing.assert_close(offloaded[key], value, rtol=0, atol=0, msg=key)
+
+
+def _offloaded_dtensor_on_an_accelerator_mesh() -> dict[str, object]:
+    # A mesh of device type "cuda" over the gloo group: building it needs no GPU, and it is
+    # what an offloaded shard meets on a GPU machine (CPU local tensor, CUDA mesh).
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    from fully_shard._compat import dtensor_keeping_device
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+    rank = dist.get_rank()
+    local = torch.full((3, 4), float(rank))  # this rank's rows of a (6, 4) parameter
+    dt = dtensor_keeping_device(local, mesh, (Shard(0),), torch.Size([6, 4]), (4, 1))
+    param = nn.Parameter(dt)
+    param.grad = dtensor_keeping_device(torch.ones(3, 4), mesh, (Shard(0),), dt.shape, (4, 1))
+    torch.optim.SGD([param], lr=0.5).step()  # local arithmetic only: no device is touched
+    try:
+        DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        moved = "no error"
+    except (AssertionError, RuntimeError) as e:  # from_local tries local.to("cuda")
+        moved = str(e)
+    return {
+        "device": dt.device.type,
+        "same_storage": dt.to_local().data_ptr() == local.data_ptr(),
+        "shape": tuple(dt.shape),
+        "placements": dt.placements,
+        "mesh_type": dt.device_mesh.device_type,
+        "after_step": param.to_local().tolist(),
+        "from_local": moved,
+    }
+
+
+def test_an_offloaded_shard_stays_on_the_cpu_on_an_accelerator_mesh() -> None:
+    # The bug a GPU found (torch 2.11, H200): DTensor.from_local moved CPUOffloadPolicy's
+    # shards to the mesh's device, so nothing was offloaded, and lazy init then replaced the
+    # parameters the optimizer held: they never got a gradient.
+    from torch.distributed.tensor import Shard
+
+    for rank, got in enumerate(run_distributed(_offloaded_dtensor_on_an_accelerator_mesh, 2)):
+        assert got["device"] == "cpu" and got["same_storage"], got
+        assert got["shape"] == (6, 4) and got["placements"] == (Shard(0),), got
+        assert got["mesh_type"] == "cuda", got
+        assert got["after_step"] == [[rank - 0.5] * 4] * 3, got
+        # what the engine must not call on such a shard: it moves it (here: fails, no CUDA)
+        assert "CUDA" in str(got["from_local"]), got

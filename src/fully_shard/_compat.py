@@ -5,8 +5,9 @@ Nothing else in the package touches a torch name that starts with an underscore 
 2.13.0 (the pinned CI version). The first ones were also run on 2.6.0 (the oldest supported
 release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
 (``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
-``flatten_mesh``, ``local_tensor``) only on 2.13.0, each written to fall back or to use a name
-2.6 has. Releases in between have not been run, so this file is the one place to check when
+``flatten_mesh``, ``local_tensor``, ``dtensor_keeping_device``) only on 2.13.0, each written
+to fall back or to use a name 2.6 has; ``dtensor_keeping_device`` also on 2.11 with CUDA.
+Other releases in between have not been run, so this file is the one place to check when
 they are.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import DTensor, Placement
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -192,3 +193,33 @@ def local_tensor(dt: torch.Tensor) -> torch.Tensor:
     """
     local: torch.Tensor = dt._local_tensor  # type: ignore[attr-defined]
     return local
+
+
+def dtensor_keeping_device(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """A DTensor on ``mesh`` over ``local`` that leaves ``local`` on the device it is on.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device type: a CPU-offloaded
+    shard (``CPUOffloadPolicy``) on a CUDA mesh would be copied back to the GPU, so the
+    offload would save nothing, and the sharded parameter the optimizer holds would not be
+    the one the engine fills. No public call builds a DTensor whose local tensor is on
+    another device than its mesh's; the DTensor constructor with a ``DTensorSpec`` (from the
+    private ``torch.distributed.tensor._dtensor_spec``) does, and is what torch's FSDP2 uses
+    for its offloaded shards. Used only when the devices differ, so every other DTensor is
+    built by ``from_local``. Run on 2.13 (CPU: a CUDA-typed mesh needs no GPU to exist) and
+    on 2.11 with CUDA; 2.6 has the same constructor and spec.
+    """
+    if local.is_meta or local.device.type == mesh.device_type:
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
+    return dt

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._compat import post_accumulate_grad_hooks
+from ._compat import dtensor_keeping_device, post_accumulate_grad_hooks
 from .collectives import GatherInput
 from .extensions import SubclassGather, has_extension
 from .mesh import MeshInfo, contiguous_stride
@@ -347,13 +347,9 @@ class ShardedParam:
             mesh, placements = self.info.mesh, self.info.placements(self.shard_dim)
         else:
             mesh, placements = self.tp.spmd, combined_placements(self.tp, self.shard_dim)
-        return DTensor.from_local(
-            local,
-            mesh,
-            placements,
-            run_check=False,
-            shape=self.global_size,
-            stride=contiguous_stride(self.global_size),
+        # An offloaded shard stays on the CPU even on a CUDA mesh (from_local would move it).
+        return dtensor_keeping_device(
+            local, mesh, tuple(placements), self.global_size, contiguous_stride(self.global_size)
         )
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
