@@ -307,14 +307,15 @@ def _offloaded_dtensor_on_an_accelerator_mesh() -> dict[str, object]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
-    from fully_shard._compat import dtensor_keeping_device
+    from fully_shard._compat import dtensor_from_spec, dtensor_spec
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
     rank = dist.get_rank()
     local = torch.full((3, 4), float(rank))  # this rank's rows of a (6, 4) parameter
-    dt = dtensor_keeping_device(local, mesh, (Shard(0),), torch.Size([6, 4]), (4, 1))
+    spec = dtensor_spec(mesh, (Shard(0),), torch.Size([6, 4]), (4, 1), torch.float32)
+    dt = dtensor_from_spec(local, spec)
     param = nn.Parameter(dt)
-    param.grad = dtensor_keeping_device(torch.ones(3, 4), mesh, (Shard(0),), dt.shape, (4, 1))
+    param.grad = dtensor_from_spec(torch.ones(3, 4), spec)
     torch.optim.SGD([param], lr=0.5).step()  # local arithmetic only: no device is touched
     try:
         DTensor.from_local(local, mesh, [Shard(0)], run_check=False)

@@ -5,8 +5,8 @@ Nothing else in the package touches a torch name that starts with an underscore 
 2.13.0 (the pinned CI version). The first ones were also run on 2.6.0 (the oldest supported
 release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
 (``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
-``flatten_mesh``, ``local_tensor``, ``dtensor_keeping_device``) only on 2.13.0, each written
-to fall back or to use a name 2.6 has; ``dtensor_keeping_device`` also on 2.11 with CUDA.
+``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``) only on 2.13.0,
+each written to fall back or to use a name 2.6 has; the last two also on 2.11 with CUDA.
 Other releases in between have not been run, so this file is the one place to check when
 they are.
 """
@@ -195,31 +195,37 @@ def local_tensor(dt: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def dtensor_keeping_device(
-    local: torch.Tensor,
+def dtensor_spec(
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
     shape: torch.Size,
     stride: tuple[int, ...],
-) -> DTensor:
-    """A DTensor on ``mesh`` over ``local`` that leaves ``local`` on the device it is on.
+    dtype: torch.dtype,
+) -> object:
+    """The layout of a sharded DTensor, built once and reused by :func:`dtensor_from_spec`.
 
-    ``DTensor.from_local`` moves a local tensor to the mesh's device type: a CPU-offloaded
-    shard (``CPUOffloadPolicy``) on a CUDA mesh would be copied back to the GPU, so the
-    offload would save nothing, and the sharded parameter the optimizer holds would not be
-    the one the engine fills. No public call builds a DTensor whose local tensor is on
-    another device than its mesh's; the DTensor constructor with a ``DTensorSpec`` (from the
-    private ``torch.distributed.tensor._dtensor_spec``) does, and is what torch's FSDP2 uses
-    for its offloaded shards. Used only when the devices differ, so every other DTensor is
-    built by ``from_local``. Run on 2.13 (CPU: a CUDA-typed mesh needs no GPU to exist) and
-    on 2.11 with CUDA; 2.6 has the same constructor and spec.
+    ``torch.distributed.tensor._dtensor_spec.DTensorSpec`` (private): see
+    :func:`dtensor_from_spec` for why. 2.6 and 2.13 take the same arguments.
     """
-    if local.is_meta or local.device.type == mesh.device_type:
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=stride
-        )
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
+    """A DTensor over ``local`` (the very tensor, on its own device) laid out as ``spec``.
+
+    Why not ``DTensor.from_local``: it moves the local tensor to the mesh's device type, so a
+    CPU-offloaded shard (``CPUOffloadPolicy``) on a CUDA mesh was copied back to the GPU,
+    nothing was offloaded, and lazy init then replaced the sharded parameters the optimizer
+    held, which never got a gradient again (found on an H200 with torch 2.11). No public call
+    builds a DTensor whose local tensor stays on another device than its mesh's. It is also
+    an autograd function that checks and normalises its arguments on every call: 69 µs per
+    call against 4 µs for the constructor with a spec built once (CPU, torch 2.13), paid for
+    every parameter's gradient on every step (on a GPU this was the largest item of our
+    post-backward). torch's FSDP2 builds its sharded parameters and gradients the same way.
+    Run on 2.13 (CPU; a CUDA-typed mesh needs no GPU to exist) and on 2.11 with CUDA; 2.6 has
+    the same constructor.
+    """
     dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
     return dt

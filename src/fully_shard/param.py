@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._compat import dtensor_keeping_device, post_accumulate_grad_hooks
+from ._compat import dtensor_from_spec, dtensor_spec, post_accumulate_grad_hooks
 from .collectives import GatherInput
 from .extensions import SubclassGather, has_extension
 from .mesh import MeshInfo, contiguous_stride
@@ -206,6 +206,8 @@ class ShardedParam:
             self.orig_size, shard_dim, info.shard_size, info.shard_rank
         )
 
+        # The DTensor layout of the shard and its gradient, per dtype (model.to(dtype) adds one).
+        self._spec: dict[torch.dtype, object] = {}
         with torch.no_grad():
             if has_extension(source):
                 # The rows keep their subclass (its own narrow and clone), so its hooks and
@@ -343,14 +345,18 @@ class ShardedParam:
             self.unsharded_side = DenseStorage()
 
     def _dtensor_from_local(self, local: torch.Tensor) -> DTensor:
-        if self.tp is None:
-            mesh, placements = self.info.mesh, self.info.placements(self.shard_dim)
-        else:
-            mesh, placements = self.tp.spmd, combined_placements(self.tp, self.shard_dim)
-        # An offloaded shard stays on the CPU even on a CUDA mesh (from_local would move it).
-        return dtensor_keeping_device(
-            local, mesh, tuple(placements), self.global_size, contiguous_stride(self.global_size)
-        )
+        """``local`` (this rank's rows, on its own device: an offloaded shard stays on the CPU
+        of a CUDA mesh) as the sharded DTensor; the spec is built once per dtype."""
+        spec = self._spec.get(local.dtype)
+        if spec is None:
+            if self.tp is None:
+                mesh, placements = self.info.mesh, self.info.placements(self.shard_dim)
+            else:
+                mesh, placements = self.tp.spmd, combined_placements(self.tp, self.shard_dim)
+            size = self.global_size
+            spec = dtensor_spec(mesh, tuple(placements), size, contiguous_stride(size), local.dtype)
+            self._spec[local.dtype] = spec
+        return dtensor_from_spec(local, spec)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add ``local_grad`` (this rank's reduced rows) into the sharded DTensor's ``.grad``."""
