@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_train.py"
 BENCH_COLLECTIVES = ROOT / "benchmarks" / "bench_collectives.py"
 BENCH_QUANT_LOSS = ROOT / "benchmarks" / "bench_quant_loss.py"
+DEVICE_CHECK = ROOT / "benchmarks" / "device_check.py"
 
 
 def _run(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -110,6 +111,30 @@ def test_bench_collectives_reports_both_versions_of_each_collective() -> None:
         for op in ("all_gather", "reduce_scatter"):
             assert row[f"torch {op}"] > 0 and row[f"ours {op}"] > 0
             assert row[f"{op} ours/torch"] == row[f"ours {op}"] / row[f"torch {op}"]
+
+
+@needs_torch_fsdp2_on_cpu
+def test_device_check_passes_every_scenario_on_cpu(tmp_path: Path) -> None:
+    # What a GPU machine runs (benchmarks/device_check.py --device cuda), on gloo ranks here:
+    # every option against its reference, and the int8 cost table.
+    out = tmp_path / "check.json"
+    proc = _run(
+        DEVICE_CHECK, "--device", "cpu", "--nproc", "2", "--steps", "2", "--quant-sizes", "4096",
+        "--quant-worlds", "2,4", "--quant-reps", "2", "--json-out", str(out), timeout=240,
+    )  # fmt: skip
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and summary["options"]["backend"] == "gloo"
+    names = ["fp32", "no-reshard", "prefetch", "accum", "checkpoint", "offload", "int8"]
+    assert summary["options"]["scenarios"] == [*names, "torch-fp32", "torch-bf16"]
+    for name, result in summary["results"].items():
+        assert result["status"] == "PASS", (name, result)
+        assert {"loss", "grad", "param"} <= result.keys()
+    costs = summary["quant_costs"]
+    assert [(c["shard_elems"], c["world"]) for c in costs] == [(4096, 2), (4096, 4)]
+    for c in costs:
+        assert c["saved_bytes"] == (c["world"] - 1) * (4 * 4096 - (4096 + 4 * 16))
+        assert c["int8_in_us"] > 0 and c["int8_out_us"] > 0
+    assert "break-even GB/s" in proc.stdout
 
 
 def test_bench_quant_loss_compares_curves_with_the_fp32_run(tmp_path: Path) -> None:
