@@ -110,6 +110,8 @@ SCENARIOS = (
 
 @dataclass(frozen=True)
 class Options:
+    """What every rank runs (picklable)."""
+
     device: str
     backend: str
     world: int
