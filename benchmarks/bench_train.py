@@ -645,23 +645,34 @@ def time_interleaved(
     return times, global_losses
 
 
-def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
+def init_rank(
+    rank: int, world: int, device_type: str, backend: str, port: int, timeout: timedelta
+) -> torch.device:
+    """A spawned rank's setup: one intra-op thread, its device, the default process group.
+
+    One GPU per rank with NCCL; with gloo, ranks may share GPUs (round robin).
+    """
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
         torch.set_num_interop_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if opts.device == "cuda":
-        # One GPU per rank with NCCL; with gloo, ranks may share GPUs (round robin).
+    device = torch.device("cpu")
+    if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
     dist.init_process_group(
-        opts.backend,
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=opts.world,
-        timeout=timedelta(minutes=10),
+        world_size=world,
+        timeout=timeout,
+    )
+    return device
+
+
+def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
+    device = init_rank(
+        rank, opts.world, opts.device, opts.backend, port, timeout=timedelta(minutes=10)
     )
     try:
         mesh = init_device_mesh(device.type, (opts.world,))

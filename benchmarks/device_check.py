@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_train import Llama, ModelConfig, _free_port, make_batches
+from bench_train import Llama, ModelConfig, _free_port, init_rank, make_batches
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -315,20 +315,8 @@ def run_scenario(
 
 
 def _rank_main(rank: int, opts: Options, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if opts.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(
-        opts.backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=opts.world,
-        timeout=timedelta(seconds=120),
-    )
+    timeout = timedelta(seconds=120)
+    device = init_rank(rank, opts.world, opts.device, opts.backend, port, timeout)
     results: dict[str, Any] = {}
     try:
         mesh = init_device_mesh(device.type, (opts.world,))
