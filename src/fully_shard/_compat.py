@@ -205,7 +205,7 @@ def dtensor_spec(
     """The layout of a sharded DTensor, built once and reused by :func:`dtensor_from_spec`.
 
     ``torch.distributed.tensor._dtensor_spec.DTensorSpec`` (private): see
-    :func:`dtensor_from_spec` for why. 2.6 and 2.13 take the same arguments.
+    :func:`dtensor_from_spec` for why. Run on 2.13 and 2.11; not run on 2.6.
     """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -224,8 +224,8 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     call against 4 µs for the constructor with a spec built once (CPU, torch 2.13), paid for
     every parameter's gradient on every step (on a GPU this was the largest item of our
     post-backward). torch's FSDP2 builds its sharded parameters and gradients the same way.
-    Run on 2.13 (CPU; a CUDA-typed mesh needs no GPU to exist) and on 2.11 with CUDA; 2.6 has
-    the same constructor.
+    Run on 2.13 (CPU; a CUDA-typed mesh needs no GPU to exist) and on 2.11 with CUDA. Earlier
+    FSDP2 releases call the same constructor (read in torch's source); not run on 2.6.
     """
     dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
     return dt
