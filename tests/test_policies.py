@@ -317,10 +317,9 @@ def _offloaded_dtensor_on_an_accelerator_mesh() -> dict[str, object]:
     param = nn.Parameter(dt)
     param.grad = dtensor_from_spec(torch.ones(3, 4), spec)
     torch.optim.SGD([param], lr=0.5).step()  # local arithmetic only: no device is touched
-    try:
-        DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-        moved = "no error"
-    except (AssertionError, RuntimeError) as e:  # from_local tries local.to("cuda")
+    try:  # from_local tries local.to("cuda"): it moves the shard where CUDA exists, else fails
+        moved = DTensor.from_local(local, mesh, [Shard(0)], run_check=False).to_local().device.type
+    except (AssertionError, RuntimeError) as e:
         moved = str(e)
     return {
         "device": dt.device.type,
@@ -344,5 +343,6 @@ def test_an_offloaded_shard_stays_on_the_cpu_on_an_accelerator_mesh() -> None:
         assert got["shape"] == (6, 4) and got["placements"] == (Shard(0),), got
         assert got["mesh_type"] == "cuda", got
         assert got["after_step"] == [[rank - 0.5] * 4] * 3, got
-        # what the engine must not call on such a shard: it moves it (here: fails, no CUDA)
-        assert "CUDA" in str(got["from_local"]), got
+        # what the engine must not call on such a shard: it moves it to the GPU (or, on a
+        # machine without CUDA such as CI's, fails trying)
+        assert got["from_local"] == "cuda" or "CUDA" in str(got["from_local"]), got
