@@ -8,7 +8,6 @@
   like the unsharded PEFT model.
 - Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) *inside* sharded blocks:
   parity, and the recompute in backward runs on parameters gathered again for it.
-- ``torch.compile`` on the blocks of a sharded model, the hooks left eager: parity with eager.
 
 Every case runs on W = 2 gloo ranks through the warm pool of ``harness.py`` and compares with
 ``parity.check_parity`` (every step's loss and gradients, the final full parameters).
@@ -265,55 +264,3 @@ def test_checkpoint_recompute_runs_on_regathered_parameters(reshard_after_forwar
     # ... and both times on full, plain tensors, never on the sharded DTensors.
     assert got["saw_dtensor"] == [False] * n_blocks
     assert got["shapes"] == [[shape] for shape in got["full_shapes"]]
-
-
-# -- torch.compile on the blocks ----------------------------------------------------------------
-
-#: ``aot_eager`` traces forward and backward with dynamo and AOTAutograd, as inductor does, but
-#: runs the traced graphs without generating code. Inductor compiled the two blocks of this
-#: model in 23 s (cold cache, one process) on the 2-core CI machine, against 2 s for
-#: ``aot_eager``: too slow for this suite. ``examples/compile.py`` takes the backend as an
-#: argument, for a run with inductor.
-COMPILE_BACKEND = "aot_eager"
-
-
-def _compile_shard(model: nn.Module, mesh: DeviceMesh, counter: Callable[..., Any]) -> None:
-    wrap_layers_then_root(fully_shard)(model, mesh)
-    for block in model.get_submodule("layers").children():
-        # Compile the block's forward, not the module: nn.Module.__call__ and so fully_shard's
-        # hooks stay eager; the compiled graph sees the gathered, plain parameters.
-        block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
-
-
-def _compile_parity() -> dict[str, Any]:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend(COMPILE_BACKEND)
-    frames_before_step: list[int] = []
-
-    def make_batch(n: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        frames_before_step.append(counter.frame_count)  # called once per step, before forward
-        return make_token_batch(n, gen)
-
-    stats = check_parity(
-        functools.partial(Transformer, ARGS),
-        functools.partial(_compile_shard, counter=counter),
-        make_batch,
-        mesh_1d(),
-        steps=3,
-    )
-    return {"stats": dict(stats), "frames": [*frames_before_step, counter.frame_count]}
-
-
-def test_compiled_blocks_train_like_eager() -> None:
-    """Blocks compiled with ``backend="aot_eager"`` (see ``COMPILE_BACKEND``) match eager."""
-    got = run_distributed(_compile_parity, WORLD, timeout=120)[0]
-    assert got["stats"]["zero_grad_params"] == []
-    # The blocks' forward was compiled in the first step (dynamo compiles the shared code once
-    # for all blocks, their parameters being graph inputs) and reused afterwards: swapping the
-    # sharded and the gathered parameters between steps causes no recompilation.
-    first, *later = got["frames"][1:]
-    assert got["frames"][0] == 0
-    assert first >= 1
-    assert later == [first] * len(later)

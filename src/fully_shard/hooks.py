@@ -134,6 +134,20 @@ def _labelled(kind: SpanKind) -> Callable[[_F], _F]:
     return wrap
 
 
+def _eager(hook: _F) -> _F:
+    """``hook`` run by Python even inside a ``torch.compile``d region (a graph break).
+
+    The hooks gather into storage they resize and swap the module's parameters; dynamo must
+    not trace that (fake tensors of freed storage, ``resize_`` of graph inputs). Kept out of
+    the graph, every compile order works: ``block.compile()`` and ``torch.compile(block)``
+    before or after sharding (fullgraph too: dynamo runs a disabled module hook outside the
+    frame), ``torch.compile(model)``; the compiled code sees the gathered, plain parameters.
+    torch's FSDP2 keeps its hooks out the same way (tests/test_compile.py compares).
+    """
+    eager: _F = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]  # public, unannotated
+    return eager
+
+
 class _AfterModuleBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs once the module's backward is done.
 
@@ -301,13 +315,12 @@ class FSDPState:
 
     def install(self) -> None:
         """Register the forward hooks on every module of the group."""
+        pre_forward, post_forward = _eager(self.pre_forward), _eager(self.post_forward)
         for module in self.modules:
             self._module_hooks.append(
-                module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+                module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             )
-            self._module_hooks.append(
-                module.register_forward_hook(self.post_forward, with_kwargs=True)
-            )
+            self._module_hooks.append(module.register_forward_hook(post_forward, with_kwargs=True))
 
     @property
     def reshard_after_forward(self) -> bool:
