@@ -80,4 +80,7 @@ def soak(session: nox.Session) -> None:
     """Long reliability runs: 1,000 soak steps, 200 random call sequences (tests: 100, 12)."""
     session.install("-e", ".[test]", *CONSTRAINTS)
     env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
-    session.run("pytest", "tests/test_soak.py", "tests/test_stateful.py", *session.posargs, env=env)
+    # inductor: test_compile.py once more with code generation (C++ on CPU, minutes)
+    env["FULLY_SHARD_COMPILE_BACKENDS"] = "aot_eager,inductor"
+    tests = ("tests/test_soak.py", "tests/test_stateful.py", "tests/test_compile.py")
+    session.run("pytest", *tests, *session.posargs, env=env)
