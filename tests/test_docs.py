@@ -57,8 +57,8 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "offload.py": ([], r"shards on \{'cpu'\}, optimizer state on \{'cpu'\}"),
     "activation_checkpointing.py": ([], r"step 2: loss \S+, 4 all-gathers in backward"),
     "checkpoint.py": (["--dir", "{tmp}"], r"full state dict \(\d+ tensors\) loads"),
-    # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_ecosystem.py)
-    "compile.py": (["--backend", "aot_eager"], r"step 2: loss \d"),
+    # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_compile.py)
+    "compile.py": (["--backend", "aot_eager"], r"compiled after each step: \[(\d+), \1, \1\]"),
     "hf_llama.py": ([], r"step 2: loss \d"),
     "peft_lora.py": ([], r"step 2: loss \d\S*, \d+ of \d+ parameters trainable"),
     "float8.py": ([], r"step 2: loss \d\S*, 1\.00 bytes per gathered element"),
@@ -68,6 +68,8 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "train_llama_2d.py": (["--steps", "3"], r"max \|2-D - unsharded\| over all parameters"),
     # 2 ranks: 1 x 1 x 2 (tests/test_3d.py runs 2 x 1 x 2 and 1 x 2 x 2 on 4 ranks)
     "train_llama_3d.py": (["--steps", "3"], r"max \|3-D - unsharded\| over all parameters"),
+    # 2 ranks: 2 stages x dp 1 (tests/test_pipelining.py runs every schedule on 2 x 2)
+    "train_llama_pp.py": (["--steps", "2"], r"max \|pipelined \+ sharded - unsharded\|"),
     # 2 ranks: EP 2 x expert-FSDP 1 (tests/test_per_param_mesh.py runs 2 x 2 on 4 ranks)
     "moe_experts.py": (["--steps", "3"], r"max \|sharded - unsharded\| over all parameters"),
     # tests/test_resume.py kills and restarts it under torchrun

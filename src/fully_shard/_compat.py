@@ -5,7 +5,8 @@ Nothing else in the package touches a torch name that starts with an underscore 
 2.13.0 (the pinned CI version). The first ones were also run on 2.6.0 (the oldest supported
 release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
 (``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
-``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``) only on 2.13.0,
+``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``,
+``torch_fsdp_module_class``, ``expose_to_torch_state``) only on 2.13.0,
 each written to fall back or to use a name 2.6 has; the last two also on 2.11 with CUDA.
 Other releases in between have not been run, so this file is the one place to check when
 they are.
@@ -13,7 +14,9 @@ they are.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -126,6 +129,18 @@ def will_run_in_this_backward(node: object) -> bool:
     return bool(will_execute(node))
 
 
+def gradient_edge_node(t: torch.Tensor) -> object:
+    """The autograd node that receives ``t``'s gradient (a leaf's ``AccumulateGrad``).
+
+    ``torch.autograd.graph.get_gradient_edge`` is public (2.2+); with
+    :func:`will_run_in_this_backward` it tells whether this backward pass accumulates a
+    parameter's gradient at all.
+    """
+    from torch.autograd.graph import get_gradient_edge
+
+    return get_gradient_edge(t).node
+
+
 def backend_allocate(
     group: object, numel: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
@@ -229,3 +244,61 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     """
     dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
     return dt
+
+
+def torch_fsdp_module_class() -> type | None:
+    """torch's own ``FSDPModule`` class, if this process has imported ``torch.distributed.fsdp``.
+
+    torch's pipelining schedules, Accelerate and torch's memory tools recognise an FSDP2 module
+    by ``isinstance(m, torch.distributed.fsdp.FSDPModule)``. Our modules are recognised when
+    their class has torch's as a base (every method is ours: tests/test_recognition.py checks
+    that nothing of torch's class is reachable). This reads the class off ``sys.modules`` and
+    never imports the package (rule 1): code that asks ``isinstance`` against torch's class has
+    imported it, and so have ``torch.distributed.pipelining``, ``torch.distributed.checkpoint``
+    and ``torch.distributed._tools``; on 2.13 so has ``torch._dynamo``, which our hooks'
+    ``torch.compiler.disable`` loads before the class swap, so in practice every module is
+    recognised whatever the user imported first. Public name, private lookup; run on 2.13
+    (2.6 exports the class there too).
+    """
+    package = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(package, "FSDPModule", None)
+    return cls if isinstance(cls, type) else None
+
+
+class _StateRegistry(dict[Any, Any]):
+    """torch's per-module registry of composable-API states, answering ``view`` for torch's
+    ``fully_shard`` (see :func:`expose_to_torch_state`); other APIs (torch's composable
+    ``checkpoint``, ``replicate``) store and find their own states in it as usual."""
+
+    def __init__(self, view: object) -> None:
+        super().__init__()
+        self.view = view
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            return self[key]
+        if getattr(key, "__name__", None) == "fully_shard":
+            return self.view
+        return default
+
+
+def expose_to_torch_state(module: torch.nn.Module, view: object) -> None:
+    """Make torch's ``fully_shard.state(module)`` return ``view`` for our sharded ``module``.
+
+    torch 2.13's pipelining (``_PipelineStageBase.perform_reduce_grad``, the REDUCE_GRAD action
+    of every schedule) reduces the gradients of an FSDP stage through
+    ``fully_shard.state(stage)._state_ctx.all_states[i]._fsdp_param_groups[j].post_backward()``
+    and ``._root_post_backward_final_callback()``; ``view`` answers those names
+    (:mod:`fully_shard.interop`). ``fully_shard.state`` is the composable-API registry
+    ``module.__dict__[contract.STATE_KEY].get(torch's fully_shard)``: the key (a private,
+    per-process name in ``torch.distributed._composable.contract``) is read off
+    ``sys.modules`` like :func:`torch_fsdp_module_class`, and the registry put there answers
+    ``view`` when asked for a function named ``fully_shard``. Without torch's FSDP loaded
+    nothing is needed (nothing of torch's can ask). Run on 2.13 only.
+    """
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    key = getattr(contract, "STATE_KEY", None)
+    if isinstance(key, str):
+        registry = _StateRegistry(view)
+        registry.update(module.__dict__.get(key) or {})
+        module.__dict__[key] = registry

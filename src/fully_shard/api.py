@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._compat import expose_to_torch_state, torch_fsdp_module_class
 from .collectives import TorchComm
 from .debug import check_from_environment
 from .errors import (
@@ -29,6 +30,7 @@ from .errors import (
 from .extensions import check_extension_plan
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
+from .interop import TorchStateView
 from .mesh import (
     MeshInfo,
     MeshResolver,
@@ -76,13 +78,16 @@ class _ParamPlan:
 
 
 @functools.cache
-def _fsdp_class(cls: type) -> type:
+def _fsdp_class(cls: type, torch_base: type | None) -> type:
     # One FSDP subclass per original class (cached, so repeated calls share it), with the
-    # original as a base so isinstance(m, cls) still holds.
+    # original as a base so isinstance(m, cls) still holds, and torch's FSDPModule last when
+    # torch's FSDP is loaded, so that libraries recognise an FSDP2 module (interop.py): after
+    # the original class, no super() call of ours or of the module's reaches torch's code.
     # _fsdp_original_class: what FSDPModule.__new__ builds when a container (Sequential
     # slicing) constructs a new instance of the swapped class.
     namespace = {"__module__": cls.__module__, "_fsdp_original_class": cls}
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+    bases = (FSDPModule, cls) if torch_base is None else (FSDPModule, cls, torch_base)
+    return type(f"FSDP{cls.__name__}", bases, namespace)
 
 
 @overload
@@ -282,10 +287,12 @@ def fully_shard(
     state = FSDPState(tuple(groups), modules, originals)
     state.install()
     _install_state_dict_hooks(state)
+    torch_base = torch_fsdp_module_class()
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
         # type objects are hashable; torch's stubs declare Module.__hash__ oddly for mypy
-        m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]
+        m.__class__ = _fsdp_class(type(m), torch_base)  # type: ignore[arg-type]
+        expose_to_torch_state(m, TorchStateView(state))
     return module
 
 

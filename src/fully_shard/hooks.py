@@ -48,8 +48,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._compat import inside_backward, queue_end_of_backward, will_run_in_this_backward
-from .errors import FullyShardStateError
+from ._compat import (
+    gradient_edge_node,
+    inside_backward,
+    queue_end_of_backward,
+    will_run_in_this_backward,
+)
+from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .group import GroupConfig, GroupState, ParamGroup
 from .observer import SpanKind
 from .param import ShardedParam
@@ -584,7 +589,39 @@ class FSDPState:
         # Calls whose backward comes in a later pass (F1 F2 B1 B2) do not hold the group.
         others = (n for _, n in alive if n is not None and n is not node)
         if not any(will_run_in_this_backward(n) for n in others):
+            self._check_weight_part_can_follow()
             self._post_backward()
+
+    def _check_weight_part_can_follow(self) -> None:
+        """Refuse a backward split into input and weight parts that would lose the weights'.
+
+        A zero-bubble pipeline schedule runs each microbatch's backward as an input part
+        (``autograd.grad`` to the stage inputs, gradient sync off) and later a weight part,
+        for the parameters the stage listed *before* the input part. A group that resharded
+        after forward showed its sharded DTensors then, which no gradient reaches: the weight
+        gradients would be dropped without a sound. With the parameters kept gathered from
+        forward to backward the stage lists the ones autograd uses, and both parts are exact.
+        """
+        if self.config.requires_gradient_sync or not self.reshard_after_forward:
+            return
+        trainable = [
+            p.unsharded_param
+            for p in self.params
+            if p.requires_grad and p.unsharded_param is not None
+        ]
+        if not trainable or any(
+            will_run_in_this_backward(gradient_edge_node(t)) for t in trainable
+        ):
+            return
+        raise FullyShardNotImplementedError(
+            f"group {self.groups[0].label!r}: this backward pass computes input gradients "
+            "only (the input part of a zero-bubble pipeline schedule: "
+            "ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) while "
+            "the group resharded its parameters after forward, so the weight part would miss "
+            "them and their gradients would be lost. Keep the stage's parameters gathered "
+            "from forward to backward: fully_shard(..., reshard_after_forward=False) on the "
+            "stage's modules (torchtitan's default under pipeline parallelism)"
+        )
 
     @_labelled("post_backward")
     def _post_backward(self) -> None:
@@ -627,6 +664,29 @@ class FSDPState:
                     if group.config.reshard_after_backward:
                         group.reshard()
             self.end_iteration(keep_reducing=not ctx.is_last_backward)
+
+    # -- reductions on request (pipelining) ----------------------------------------------------
+
+    def reduce_on_request(self) -> None:
+        """Reduce the gradients this state's groups kept since their last reduction, now.
+
+        For callers that run backward passes with gradient sync off and reduce once at the end
+        (torch's pipelining, after its last microbatch): the post-backward of a backward that
+        has already finished, with the options of now. A no-op for a group with nothing kept.
+        """
+        ctx = self.ensure_initialized()
+        if ctx.it.in_backward:
+            raise FullyShardStateError(
+                "a reduction was requested during backward; request it once the backward "
+                "passes (all microbatches) are done"
+            )
+        self._post_backward()
+
+    def finish_on_request(self) -> None:
+        """After :meth:`reduce_on_request` on every state: wait for the reductions (if this is
+        the last backward), reshard, and start the next iteration, as the end of a backward."""
+        root = next(s for s in self.ensure_initialized().states if s.is_root)
+        root._end_of_backward()
 
     # -- the end of an iteration ---------------------------------------------------------------
 

@@ -672,6 +672,23 @@ class FSDPModule(nn.Module):
             for group in module._fsdp_state.groups:
                 group.comm = comm
 
+    # -- the private names of torch's FSDPModule (our class may have it as a base) -------------
+
+    def _get_fsdp_state(self) -> Any:
+        # torch's tools that instrument FSDP internals (FSDPMemTracker) call this on a module
+        # they recognise; answering ours would fail deep inside them.
+        raise FullyShardNotImplementedError(
+            f"{type(self).__name__} is sharded by fully_shard, not by torch's FSDP2: it has "
+            "no torch FSDPState for torch's FSDPMemTracker (or other tools built on torch's "
+            "FSDP internals) to instrument. Measure memory with "
+            "torch.distributed._tools.mem_tracker.MemTracker or fully_shard.trace instead"
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        # torch's private switch for async all-gathers in its hooks: ours are issued from the
+        # current stream already, so there is nothing to switch (validated, recorded nowhere).
+        _check_bool("_set_unshard_async_op(async_op)", async_op)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # to_empty(), to(), cuda() replace the sharded tensors: pick the new ones up.
         if any(g.state.name != "SHARDED" for g in self._fsdp_state.groups):
