@@ -13,6 +13,7 @@ they are.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -229,3 +230,26 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     """
     dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
     return dt
+
+
+def mark_fully_sharded(module: torch.nn.Module) -> None:
+    """Record ``fully_shard`` in ``module``'s entry of torch's composable-API registry.
+
+    torch's ``replicate()`` (``torch.distributed._composable``) leaves the parameters of a
+    module registered as ``"fully_shard"`` to it; on a module it does not see as sharded it
+    turns every DTensor parameter into a plain local one and all-reduces it with DDP, which
+    breaks ours (torch's ``test_unshard_async``: a ``replicate``'d root above ``fully_shard``
+    blocks). The registry (``contract.REGISTRY_KEY`` in the module's ``__dict__``, an ordered
+    dict of name to ``RegistryItem``) is private; read in torch 2.13's ``contract.py`` and
+    run on 2.13. Only membership of the name is read by torch (``replicate``, and the
+    mutual-exclusion checks of ``fully_shard``/``replicate``), never a state behind it.
+    """
+    # By path: the package re-exports a function of the same name as the module.
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    key = getattr(contract, "REGISTRY_KEY", None)
+    item = getattr(contract, "RegistryItem", None)
+    if key is None or item is None:  # another layout: replicate then cannot see us
+        return
+    registry = module.__dict__.setdefault(key, {})
+    if isinstance(registry, dict):
+        registry.setdefault("fully_shard", item())

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._compat import mark_fully_sharded
 from .collectives import TorchComm
 from .debug import check_from_environment
 from .errors import (
@@ -286,6 +287,7 @@ def fully_shard(
         m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
         # type objects are hashable; torch's stubs declare Module.__hash__ oddly for mypy
         m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]
+        mark_fully_sharded(m)  # so torch's replicate() above it leaves our parameters alone
     return module
 
 
