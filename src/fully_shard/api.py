@@ -279,6 +279,9 @@ def fully_shard(
             post_forward=post_forward,
         )
         groups.append(ParamGroup(params, modules, group_info, config, TorchComm()))
+    owner = type(modules[0]).__name__
+    for plan in plans:
+        setattr(plan.param, _SHARDED_BY, (owner, plan.fqn))
     originals = {id(plan.param): weakref.ref(plan.param) for plan in plans}
     state = FSDPState(tuple(groups), modules, originals)
     state.install()
@@ -480,22 +483,25 @@ def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> se
     return ignored
 
 
-def _owned_elsewhere(
-    modules: tuple[nn.Module, ...],
-) -> tuple[set[int], dict[int, weakref.ref[nn.Parameter]]]:
-    """Parameters that earlier ``fully_shard`` calls on submodules own (and their originals)."""
+def _owned_elsewhere(modules: tuple[nn.Module, ...]) -> set[int]:
+    """Parameters that earlier ``fully_shard`` calls on submodules own (sharded or gathered)."""
     owned: set[int] = set()
-    originals: dict[int, weakref.ref[nn.Parameter]] = {}
     for top in modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
-                state = m._fsdp_state
-                for p in state.params:
+                for p in m._fsdp_state.params:
                     owned.add(id(p.sharded_param))
                     if p.unsharded_param is not None:
                         owned.add(id(p.unsharded_param))
-                originals.update(state.original_params)
-    return owned, originals
+    return owned
+
+
+# The attribute set on a parameter once a fully_shard call has sharded it: (the class of the
+# call's first module, the parameter's name there). The module then holds a new DTensor
+# parameter; another module still holding the original (a tied weight wrapped in another
+# call, a sibling this call cannot see from its module) meets it here and is refused,
+# instead of sharding a second, untied copy.
+_SHARDED_BY = "_fully_shard_sharded_by"
 
 
 _Found = tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]
@@ -504,7 +510,7 @@ _Found = tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[_Found]:
     """The parameters this call owns: not ignored, not owned by an earlier call."""
-    owned, originals = _owned_elsewhere(modules)
+    owned = _owned_elsewhere(modules)
     ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]] = {}
     seen_slots: set[tuple[int, str]] = set()
@@ -518,12 +524,17 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) 
                     continue
                 seen_slots.add((id(m), name))
                 fqn = prefix + (f"{mod_name}.{name}" if mod_name else name)
-                original = originals.get(id(p))
-                if original is not None and original() is p:
+                sharded_by = getattr(p, _SHARDED_BY, None)
+                if sharded_by is not None:
+                    owner, name_there = sharded_by
                     raise FullyShardValueError(
-                        f"parameter {fqn!r} is tied to a parameter that an earlier fully_shard "
-                        "call on a submodule already sharded; tied parameters must be in one "
-                        "group: do not wrap the submodule separately (leave it to this call)"
+                        f"parameter {fqn!r} is tied to {name_there!r} of the {owner} that an "
+                        "earlier fully_shard call already sharded (one tensor in two modules, "
+                        "e.g. an embedding shared with the output head); sharding it again "
+                        "would untie them. Tied parameters must be in one group: shard the "
+                        "modules that hold it in one call (fully_shard([model.tok_embeddings, "
+                        "model.output])), or leave them to the call on their common parent "
+                        "(do not wrap them separately)"
                     )
                 if id(p) not in found:
                     found[id(p)] = (p, fqn, [])
