@@ -167,6 +167,8 @@ def fully_shard(
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
+            Parameters of other modules in it are skipped (as in torch), so one set can be
+            passed to every call of a bottom-up wrap.
         dp_mesh_dims: torch 2.13's full-SPMD-mesh mode (a :class:`DataParallelMeshDims`):
             ``mesh`` is then the whole mesh, every parameter already a DTensor on it with
             ``Replicate()`` on the dims named here; we shard over ``shard`` and replicate over
@@ -474,12 +476,10 @@ def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> se
             raise FullyShardTypeError(
                 f"ignored_params must hold nn.Parameters, got a {type(p).__name__}"
             )
-        if id(p) not in owned:
-            raise FullyShardValueError(
-                f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not a "
-                "parameter of the module(s) being sharded"
-            )
-        ignored.add(p)
+        # One set for every call of a post-order wrap, as torch allows: a parameter outside
+        # these modules has nothing to be left alone from here.
+        if id(p) in owned:
+            ignored.add(p)
     return ignored
 
 
