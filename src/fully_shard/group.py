@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._compat import version
+from ._compat import local_tensor, version
 from .collectives import (
     Comm,
     GatherInput,
@@ -49,6 +49,7 @@ from .collectives import (
     wire_dtype,
 )
 from .errors import FullyShardStateError
+from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
 from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
 from .param import ShardedParam
@@ -248,8 +249,12 @@ class ParamGroup:
         if self._initialized:
             return
         self._initialized = True
+        sub = self.config.post_forward
         for p in self.params:
             p.sync_with_module()
+            if sub is not None:  # hooks patched on since fully_shard: refused as it would
+                own = local_tensor(p.sharded_param)
+                check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
             if p.local_shard.device.type == "meta":
                 raise FullyShardStateError(
                     f"parameter {p.fqn!r} is still on the meta device at the first forward; "
