@@ -12,8 +12,9 @@ Parity: against an unsharded model whose linear layers use ``dequantize(quantize
 straight-through gradient (the same transform), W = 2 and 3, AdamW, uneven dim 0 and
 ``reshard_after_forward`` True and False; and against torch's ``fully_shard`` running the same
 subclass on gloo; and with the same hooks monkey-patched onto a plain local tensor after
-``to_empty()`` (no subclass), 1-D and HSDP, as torch's tests do. The bytes on the wire are counted (``CountingComm``) and compared with what
-the pre hook returned, and the gathered outputs the post hook sees with every rank's inputs.
+``to_empty()`` (no subclass), 1-D and HSDP, as torch's tests do. The bytes on the wire are
+counted (``CountingComm``) and compared with what the pre hook returned, and the gathered
+outputs the post hook sees with every rank's inputs.
 """
 
 from __future__ import annotations
@@ -408,9 +409,7 @@ def _patched_after_to_empty(impl: str, hsdp: bool) -> list[tuple[int, int]]:
     return log
 
 
-@pytest.mark.parametrize(
-    ("hsdp", "world"), [(False, 2), (True, 4)], ids=["1d-w2", "hsdp-2x2"]
-)
+@pytest.mark.parametrize(("hsdp", "world"), [(False, 2), (True, 4)], ids=["1d-w2", "hsdp-2x2"])
 @pytest.mark.parametrize("impl", ["ours", pytest.param("torch", marks=needs_torch_fsdp2_on_cpu)])
 def test_hooks_patched_on_a_local_tensor_are_honoured(impl: str, hsdp: bool, world: int) -> None:
     """Parity with the transform proves the hooks ran on every gather; on HSDP the pre hook
