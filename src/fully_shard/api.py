@@ -23,6 +23,7 @@ from .collectives import TorchComm
 from .debug import check_from_environment
 from .errors import (
     FullyShardArgumentTypeError,
+    FullyShardAssertionError,
     FullyShardNotImplementedError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -378,7 +379,7 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
                 f"holds the {type(m).__name__}"
             )
         if isinstance(m, FSDPModule):
-            raise FullyShardValueError(
+            raise FullyShardAssertionError(
                 f"fully_shard was already applied to this {type(m).__name__}; each module can "
                 "be sharded once (to change options use the set_* methods)"
             )
@@ -629,7 +630,7 @@ def _shard_dim(p: nn.Parameter, fqn: str, placement: object, tp: TPLayout | None
         )
     dim = placement.dim
     if not -p.dim() <= dim < p.dim():
-        raise FullyShardValueError(
+        raise FullyShardAssertionError(
             f"shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of shape "
             f"{tuple(p.shape)}; the dim must be in [{-p.dim()}, {p.dim() - 1}]"
         )
