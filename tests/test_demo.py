@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,16 @@ def test_progress_without_tqdm_prints_plain_lines(
     assert "fully-shard[demo]" in lines[0]
     steps = [int(m.group(1)) for line in lines if (m := re.match(r"step\s+(\d+)/20", line))]
     assert steps == [1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+
+
+def test_progress_bar_starts_no_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    """tqdm's monitor thread stays off: nothing of the bar is alive at interpreter exit."""
+    pytest.importorskip("tqdm")
+    before = {t.ident for t in threading.enumerate()}
+    progress = demo._Progress(total=3, enabled=True)
+    for step in range(3):
+        progress.update(step, loss=1.0, step_ms=5.0)
+    started = {t.name for t in threading.enumerate() if t.ident not in before}
+    progress.close()
+    assert progress.bar is not None and started == set()
+    assert "training" in capsys.readouterr().out

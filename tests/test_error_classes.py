@@ -1,24 +1,36 @@
 """Bad inputs given to torch's ``fully_shard`` and to ours: do we raise what torch raises?
 
 Each case of the catalogue runs on both (2 gloo ranks). Where torch raises a ``TypeError``,
-``ValueError``, ``NotImplementedError`` or ``RuntimeError`` on purpose, ours must be an
-instance of the same class (ours is also a ``FullyShardError`` with a message saying what to
-do). Every other outcome is listed below, and the test checks each is still what it says,
-so a change on either side shows up here.
+``ValueError``, ``NotImplementedError``, ``RuntimeError`` or ``AssertionError`` on purpose,
+ours must be an instance of the same class (ours is also a ``FullyShardError`` with a message
+saying what to do). Every other outcome is listed below, and the test checks each is still
+what it says, so a change on either side shows up here.
 
-Torch accepts silently (ours raises before changing anything):
-  ``mp_policy`` a dict or a dtype, ``offload_policy`` a string, ``ignored_params`` holding a
-  parameter of another module, parameters of mixed dtypes, parameters on meta and CPU mixed.
+Torch raises ``AssertionError`` (``fully_shard`` twice on one module, ``shard_placement_fn``
+returning ``Shard(5)`` on a 2-D weight or ``Shard(1)`` on a 1-D bias): ours is a
+``FullyShardAssertionError``, both the ``ValueError`` it is and the ``AssertionError`` torch
+raises. Meshes: a 3-D mesh (``ValueError`` in both), parameters still on the meta device at the
+first forward (``RuntimeError`` in both).
 
-Torch fails by accident (an ``AttributeError``, ``IndexError``, ``AssertionError`` or a
-``RuntimeError`` from deep inside; ours raises its ``FullyShard*Error`` of the class that
-fits): ``mesh`` a string or a process group, a tensor as the module, an empty list, a list
-holding a non-module, ``shard_placement_fn`` returning ``Shard(5)`` on a 2-D weight,
-``ignored_params`` a tensor, ``fully_shard`` twice on one module.
+Torch accepts silently (ours raises before changing anything, or before the first gather):
+  ``mp_policy`` a dict or a dtype, ``offload_policy`` a string, parameters of mixed dtypes,
+  parameters on meta and CPU mixed; an all-gather extension with only a pre hook, one whose
+  pre hook takes neither of torch's argument lists, and one sharded on dim 1.
+
+Both accept: ``ignored_params`` holding a parameter of another module (skipped).
+
+Torch fails by accident (an ``AttributeError``, ``IndexError`` or a ``RuntimeError`` from
+deep inside; ours raises its ``FullyShard*Error`` of the class that fits, and does not copy
+the accident: a caller does not catch ``AttributeError`` from ``fully_shard``): ``mesh`` a
+string or a process group, a tensor as the module, an empty list, a list holding a
+non-module, ``ignored_params`` a tensor.
 
 Torch raises a ``ValueError`` for a wrong type: ``reshard_after_forward="yes"`` and
 ``shard_placement_fn`` returning an int. Ours is a ``FullyShardArgumentTypeError``, both a
 ``TypeError`` (what it is) and a ``ValueError`` (what torch raises).
+
+Not in torch (``quantization_policy``): ours only, a ``ValueError`` for a bad policy value and
+a ``TypeError`` for a policy that is not a ``QuantizationPolicy``.
 
 Torch refuses, ours accepts: a non-contiguous parameter (``NotImplementedError`` in torch);
 ours trains it at parity (tests/test_containers.py).
@@ -33,13 +45,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
 from torch.distributed.tensor import Shard
 
 from fully_shard import (
     FullyShardError,
+    FullyShardNotImplementedError,
+    FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
+    QuantizationPolicy,
     fully_shard,
 )
 from harness import mesh_1d, run_distributed
@@ -63,6 +79,45 @@ def _with(p: nn.Parameter) -> nn.Module:
 
 def _twice(fs: ShardFn) -> Any:
     return fs(fs(_net(), mesh=mesh_1d()), mesh=mesh_1d())
+
+
+class _PreOnly(torch.Tensor):
+    """Half an all-gather extension: a pre hook without its post hook."""
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> Any:
+        return (self,), None
+
+
+class _BadSignature(torch.Tensor):
+    """An all-gather extension whose pre hook takes neither of torch's argument lists."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any) -> Any:
+        return (self,), None
+
+    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, dtype: Any, **kw: Any) -> Any:
+        return outputs[0], ()
+
+
+class _Extension(_BadSignature):
+    def fsdp_pre_all_gather(  # type: ignore[override]  # torch's full argument list
+        self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
+    ) -> Any:
+        return (self,), None
+
+
+def _extension(kind: type[torch.Tensor]) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6))  # (6, 4): dim 1 splits evenly over 2 ranks
+    model[0].weight = nn.Parameter(model[0].weight.detach().as_subclass(kind))
+    return model
+
+
+def _forward(model: Any) -> Any:
+    return model(torch.randn(2, model[0].in_features))
+
+
+# The call is not one torch's fully_shard can take (an argument it does not have): ours only.
+NOT_IN_TORCH = type("NotInTorch", (), {"__repr__": lambda self: "NOT_IN_TORCH"})()
 
 
 # name -> (call, the class torch raises or None, the class ours raises or None)
@@ -115,11 +170,6 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
         None,
         FullyShardTypeError,
     ),
-    "ignored_params of another module": (
-        lambda fs: fs(_net(), mesh=mesh_1d(), ignored_params={nn.Parameter(torch.zeros(2))}),
-        None,
-        FullyShardValueError,
-    ),
     "mixed dtypes": (
         lambda fs: fs(_with(nn.Parameter(torch.zeros(3, dtype=torch.float64))), mesh=mesh_1d()),
         None,
@@ -159,6 +209,61 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
         FullyShardTypeError,
     ),
     "fully_shard twice": (_twice, AssertionError, FullyShardValueError),
+    "shard_placement_fn returns Shard(1) for a 1-D parameter": (
+        lambda fs: fs(
+            _net(), mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(1) if p.dim() == 1 else None
+        ),
+        AssertionError,
+        FullyShardValueError,
+    ),
+    # meshes: torch raises on purpose, the same class
+    "a 3-D mesh": (
+        lambda fs: fs(_net(), mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size()))),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "meta parameters at the first forward": (
+        lambda fs: _forward(fs(nn.Sequential(nn.Linear(5, 3, device="meta")), mesh=mesh_1d())),
+        RuntimeError,
+        FullyShardStateError,
+    ),
+    # all-gather extensions: torch accepts (gathers the tensor plainly or fails later), ours
+    # refuses before the first all-gather
+    "an extension with a pre hook only": (
+        lambda fs: fs(_extension(_PreOnly), mesh=mesh_1d()),
+        None,
+        FullyShardTypeError,
+    ),
+    "an extension pre hook with a bad signature": (
+        lambda fs: _forward(fs(_extension(_BadSignature), mesh=mesh_1d())),
+        None,
+        FullyShardTypeError,
+    ),
+    "an extension parameter sharded on dim 1": (
+        lambda fs: _forward(
+            fs(_extension(_Extension), mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(-1))
+        ),
+        None,
+        FullyShardNotImplementedError,
+    ),
+    # quantization: an argument torch does not have
+    "QuantizationPolicy(all_gather='int4')": (
+        lambda fs: fs(
+            _net(), mesh=mesh_1d(), quantization_policy=QuantizationPolicy(all_gather="int4")
+        ),
+        NOT_IN_TORCH,
+        FullyShardValueError,
+    ),
+    "QuantizationPolicy(block_size=0)": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), quantization_policy=QuantizationPolicy(block_size=0)),
+        NOT_IN_TORCH,
+        FullyShardValueError,
+    ),
+    "quantization_policy a string": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), quantization_policy="int8"),
+        NOT_IN_TORCH,
+        FullyShardTypeError,
+    ),
     # torch raises a ValueError for a wrong type; ours is both a TypeError and a ValueError
     "reshard_after_forward a string": (
         lambda fs: fs(_net(), mesh=mesh_1d(), reshard_after_forward="yes"),
@@ -169,6 +274,12 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
         lambda fs: fs(_net(), mesh=mesh_1d(), shard_placement_fn=lambda p: 0),
         ValueError,
         FullyShardTypeError,
+    ),
+    # both accept: skipped, so one set can serve every call of a wrap (tests/test_ignored_ddp.py)
+    "ignored_params of another module": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), ignored_params={nn.Parameter(torch.zeros(2))}),
+        None,
+        None,
     ),
     # torch refuses, ours accepts (and trains it at parity: tests/test_containers.py)
     "a non-contiguous parameter": (
@@ -182,6 +293,11 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
 SAME_CLASS = set(list(CASES)[:7]) | {
     "reshard_after_forward a string",
     "shard_placement_fn returns an int",
+    "shard_placement_fn returns Shard(5)",
+    "shard_placement_fn returns Shard(1) for a 1-D parameter",
+    "fully_shard twice",
+    "a 3-D mesh",
+    "meta parameters at the first forward",
 }
 
 
@@ -195,8 +311,11 @@ def _raised(call: Callable[[ShardFn], Any], fs: ShardFn) -> BaseException | None
 
 def _run(name: str) -> None:
     call, torch_class, our_class = CASES[name]
-    theirs, ours = _raised(call, torch_fully_shard), _raised(call, fully_shard)
-    if torch_class is None:
+    ours = _raised(call, fully_shard)
+    theirs = None if torch_class is NOT_IN_TORCH else _raised(call, torch_fully_shard)
+    if torch_class is NOT_IN_TORCH:
+        pass
+    elif torch_class is None:
         assert theirs is None, f"{name}: torch now raises {theirs!r}"
     else:
         assert isinstance(theirs, torch_class), f"{name}: torch raised {theirs!r}"

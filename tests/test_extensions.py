@@ -11,8 +11,10 @@ read: every argument of the protocol is checked against what torch's FSDP2 passe
 Parity: against an unsharded model whose linear layers use ``dequantize(quantize(W))`` with a
 straight-through gradient (the same transform), W = 2 and 3, AdamW, uneven dim 0 and
 ``reshard_after_forward`` True and False; and against torch's ``fully_shard`` running the same
-subclass on gloo. The bytes on the wire are counted (``CountingComm``) and compared with what
-the pre hook returned, and the gathered outputs the post hook sees with every rank's inputs.
+subclass on gloo; and with the same hooks monkey-patched onto a plain local tensor after
+``to_empty()`` (no subclass), 1-D and HSDP, as torch's tests do. The bytes on the wire are
+counted (``CountingComm``) and compared with what the pre hook returned, and the gathered
+outputs the post hook sees with every rank's inputs.
 """
 
 from __future__ import annotations
@@ -344,6 +346,80 @@ def test_matches_torch_fully_shard_on_the_same_subclass() -> None:
             torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+# -- hooks patched onto a plain tensor (torch's test_all_gather_extensions_monkey_patch) --------
+
+
+def _patch_int8_hooks(local: torch.Tensor, log: list[tuple[int, int]]) -> None:
+    """The int8 transform's hooks, set on one local shard as instance methods (no subclass);
+    each pre call logs the mesh it got as ``(ndim, size)``."""
+
+    def pre(
+        self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        log.append((mesh.ndim, mesh.size()))
+        return quantize_rows(self), None
+
+    def post(
+        self: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        full = dequantize_rows(*outputs, dtype=param_dtype)
+        if out is not None:
+            out.data.copy_(full[: out.size(0)])  # .data: what autograd saved keeps its version
+            return None
+        return full, (full,)
+
+    local.fsdp_pre_all_gather = pre.__get__(local)  # type: ignore[attr-defined]
+    local.fsdp_post_all_gather = post.__get__(local)  # type: ignore[attr-defined]
+
+
+def _patched_after_to_empty(impl: str, hsdp: bool) -> list[tuple[int, int]]:
+    """Meta init, wrap, ``to_empty()`` + ``reset_parameters()``, then the hooks patched onto
+    every quantized weight's ``_local_tensor``: trains like the unsharded model with the same
+    transform. Returns the meshes the pre hook was given."""
+    log: list[tuple[int, int]] = []
+    world = dist.get_world_size()
+    mesh = device_mesh((2, world // 2), ("replicate", "shard")) if hsdp else mesh_1d()
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return QMLP(even=True)
+
+    def shard(model: nn.Module, dp_mesh: Any) -> None:
+        fs = _shard_fn(impl)
+        for layer in model.layers:  # type: ignore[union-attr]
+            layer.quantized_gather = True  # the gather dequantizes: no fake_quant in forward
+            fs(layer, mesh=dp_mesh)
+        fs(model, mesh=dp_mesh)
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        for layer in model.layers:  # type: ignore[union-attr]
+            _patch_int8_hooks(layer.weight._local_tensor, log)
+
+    stats = check_parity(
+        build, shard, _batch, mesh, steps=3, lr=1e-2, atol=1e-5, reference_from_sharded=True
+    )
+    assert stats["zero_grad_params"] == []
+    return log
+
+
+@pytest.mark.parametrize(("hsdp", "world"), [(False, 2), (True, 4)], ids=["1d-w2", "hsdp-2x2"])
+@pytest.mark.parametrize("impl", ["ours", pytest.param("torch", marks=needs_torch_fsdp2_on_cpu)])
+def test_hooks_patched_on_a_local_tensor_are_honoured(impl: str, hsdp: bool, world: int) -> None:
+    """Parity with the transform proves the hooks ran on every gather; on HSDP the pre hook
+    gets the 1-D shard mesh (torch's test_all_gather_extension_hsdp_mesh)."""
+    shard_size = world // 2 if hsdp else world
+    for log in run_distributed(_patched_after_to_empty, world, impl, hsdp, timeout=120):
+        # two patched weights, one gather each per forward and one more per backward, 3 steps
+        assert log == [(1, shard_size)] * (3 * 2 * 2)
+
+
 # -- every argument of the protocol ------------------------------------------------------------
 
 
@@ -555,6 +631,37 @@ def test_what_an_extension_cannot_do_is_refused_before_anything_changes(
     case: str, world: int, message: str
 ) -> None:
     for got in run_distributed(_refusal, world, case, timeout=120):
+        assert message in got
+
+
+def _patched_refusal(case: str) -> str:
+    """Hooks patched on after fully_shard, onto a parameter sharded in a way an extension
+    cannot be: refused at the first forward (lazy init), before any all-gather."""
+    torch.manual_seed(0)
+    model = QMLP(even=True)
+    layer = model.layers[0]
+    if case == "Shard(1)":
+        fully_shard(layer, mesh=mesh_1d(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    else:
+        fully_shard(layer, mesh=mesh_1d(), reshard_after_forward=2)
+    fully_shard(model, mesh=mesh_1d())
+    _patch_int8_hooks(layer.weight._local_tensor, [])
+    with pytest.raises(FullyShardNotImplementedError) as info:
+        model(torch.randn(2, IN))
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "message"),
+    [
+        ("Shard(1)", 2, "sharded on dim 0 only, but shard_placement_fn chose Shard(1)"),
+        ("reshard_after_forward=2", 4, "reshard_after_forward=2 with parameter"),
+    ],
+)
+def test_hooks_patched_on_later_are_refused_at_the_first_forward(
+    case: str, world: int, message: str
+) -> None:
+    for got in run_distributed(_patched_refusal, world, case, timeout=120):
         assert message in got
 
 

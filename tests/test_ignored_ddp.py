@@ -1,7 +1,9 @@
 """``ignored_params`` handed to another wrapper: the head under DDP, the rest fully sharded.
 
 The model's ``head`` is wrapped in ``DistributedDataParallel`` (gloo) and its parameters are
-passed to ``fully_shard`` as ``ignored_params``; the blocks and the root are sharded. Each step
+passed to every ``fully_shard`` call as ``ignored_params`` (one set for the whole wrap, as
+torch allows: the blocks' calls skip the parameters they do not hold); the blocks and the
+root are sharded. Each step
 is compared with an unsharded replica trained on the whole global batch: the loss (mean over
 ranks), every gradient (``full_tensor()`` of the sharded ones; DDP has already averaged the
 head's) and every parameter, 1e-5. The same scenario runs under torch's ``fully_shard`` and
@@ -51,9 +53,12 @@ def _train(impl: str, steps: int) -> list[torch.Tensor]:
     reference = copy.deepcopy(model)
     model.head = DistributedDataParallel(model.head)  # type: ignore[assignment]
     mesh = mesh_1d()
+    # One set for every call of the bottom-up wrap (torch's test_ddp_A_fsdp_B_ddp_C does the
+    # same): the blocks hold none of its parameters, which each call skips.
+    ignored = set(model.head.parameters())
     for block in model.layers:
-        IMPLS[impl](block, mesh=mesh)
-    IMPLS[impl](model, mesh=mesh, ignored_params=set(model.head.parameters()))
+        IMPLS[impl](block, mesh=mesh, ignored_params=ignored)
+    IMPLS[impl](model, mesh=mesh, ignored_params=ignored)
     assert all(not isinstance(p, DTensor) for p in model.head.parameters())
 
     # DDP adds a ".module" level to the head's names; strip it to pair with the reference.

@@ -18,6 +18,7 @@ model and the option in its test id and the step, rank and parameter in its mess
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -28,10 +29,11 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
 from torch.distributed.tensor import DTensor, Shard
 
 import parity
-from fully_shard import CountingComm, FSDPModule, fully_shard
+from fully_shard import CountingComm, FSDPModule, FullyShardValueError, fully_shard
 from harness import mesh_1d, run_distributed
 from models import MLPStack, ModelArgs, RMSNorm, Transformer
 from parity import (
@@ -41,6 +43,7 @@ from parity import (
     fsdp_gradient_sync,
     make_float_batch,
     make_token_batch,
+    needs_torch_fsdp2_on_cpu,
 )
 
 MLP_DIMS = (7, 13, 1, 5, 3)
@@ -250,6 +253,76 @@ def _ignored(model: str) -> ParityStats:
 @pytest.mark.parametrize(("model", "world"), [("mlp", 2), ("transformer", 2)])
 def test_parity_with_ignored_params_left_unsharded(model: str, world: int) -> None:
     _assert_nonvacuous(run_distributed(_ignored, world, model))
+
+
+# -- the embedding and the output head wrapped apart from the root -----------------------------
+
+
+def _embedding_and_head(impl: str, together: bool) -> Shard_:
+    """Blocks, then the embedding and the head (one call for both, or one each), then the root."""
+    shard_fn = fully_shard if impl == "ours" else torch_fully_shard
+
+    def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        for layer in _layers(model):
+            shard_fn(layer, mesh=mesh)
+        embedding, head = model.get_submodule("tok_embeddings"), model.get_submodule("output")
+        if together:
+            shard_fn([embedding, head], mesh=mesh)
+        else:
+            shard_fn(embedding, mesh=mesh)
+            shard_fn(head, mesh=mesh)
+        shard_fn(model, mesh=mesh)
+
+    return shard
+
+
+def _head_apart(impl: str, tied: bool, together: bool) -> ParityStats:
+    args = dataclasses.replace(TRANSFORMER_ARGS, tie_embeddings=tied)
+    shard = _embedding_and_head(impl, together)
+    return check_parity(lambda: Transformer(args), shard, make_token_batch, mesh_1d(), steps=3)
+
+
+def _tied_head_apart_is_refused() -> None:
+    """Separate calls on a tied pair: torch refuses at the first forward (ValueError), ours
+    at the call that would untie them (a ValueError too), with nothing changed."""
+    mesh = mesh_1d()
+    for impl in ("torch", "ours"):
+        torch.manual_seed(0)
+        model = Transformer(TRANSFORMER_ARGS)
+        shard_fn = fully_shard if impl == "ours" else torch_fully_shard
+        shard_fn(model.tok_embeddings, mesh=mesh)
+        original = model.output.weight
+        tokens = torch.zeros(2, 4, dtype=torch.long)
+        if impl == "torch":
+            shard_fn(model.output, mesh=mesh)
+            shard_fn(model, mesh=mesh)
+            with pytest.raises(ValueError, match="shared with a parameter already managed"):
+                model(tokens)
+            continue
+        with pytest.raises(FullyShardValueError, match="tied to 'weight' of the Embedding") as e:
+            shard_fn(model.output, mesh=mesh)
+        assert isinstance(e.value, ValueError) and "fully_shard([" in str(e.value)
+        assert not isinstance(model.output, FSDPModule) and model.output.weight is original
+        assert not isinstance(original, DTensor)
+
+
+@needs_torch_fsdp2_on_cpu
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_embedding_and_head_in_separate_calls_are_refused_never_untied(world: int) -> None:
+    run_distributed(_tied_head_apart_is_refused, world)
+
+
+@pytest.mark.parametrize("impl", ["ours", pytest.param("torch", marks=needs_torch_fsdp2_on_cpu)])
+@pytest.mark.parametrize(
+    ("tied", "together"), [(True, True), (False, False)], ids=["tied-one-call", "untied-apart"]
+)
+@pytest.mark.parametrize("world", [2, 3])
+def test_embedding_and_head_wrapped_apart_from_the_root_train_at_parity(
+    world: int, tied: bool, together: bool, impl: str
+) -> None:
+    """The fix the error suggests (a tied pair in one call) and an untied pair in two calls
+    train like the unsharded model, ours and torch's alike."""
+    _assert_nonvacuous(run_distributed(_head_apart, world, impl, tied, together))
 
 
 # -- a list of modules as one group -----------------------------------------------------------

@@ -13,7 +13,9 @@ which then owns two groups (one all-gather and one reduce-scatter per mesh). Two
 
 Each is checked against an unsharded replica (``check_parity``, 5 AdamW steps, 1e-5) and
 against torch's ``fully_shard`` given torch's own ``ShardPlacementResult`` (same losses and
-parameters step by step, same local shards). Ours also accepts torch's result object.
+parameters step by step, same local shards). Ours also accepts torch's result object, and
+our ``ShardPlacementResult`` takes torch's field names (``placement=``, ``mesh_info=`` with
+our ``FSDPMeshInfo`` / ``HSDPMeshInfo``) as well as ours.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from fully_shard import (
     CountingComm,
     DataParallelMeshDims,
+    FSDPMeshInfo,
     FSDPModule,
     FullyShardNotImplementedError,
     FullyShardTypeError,
     FullyShardValueError,
+    HSDPMeshInfo,
     ShardPlacementResult,
     fully_shard,
     trace,
@@ -111,22 +115,36 @@ def _is_expert(p: nn.Parameter) -> bool:
     return p.dim() == 3
 
 
-def _placement_fn(layout: str, torch_result: bool) -> Any:
+def _placement_fn(layout: str, result: str) -> Any:
+    """``result``: "mesh" (ours, our field), "mesh_info" (ours, torch's field names and our
+    FSDPMeshInfo / HSDPMeshInfo), "torch" (torch's result and mesh infos)."""
     mesh = _expert_mesh(layout)
-    if not torch_result:
+    if result == "mesh":
         return lambda p: ShardPlacementResult(Shard(0), mesh) if _is_expert(p) else None
+    if result == "mesh_info":
+        ours = (
+            FSDPMeshInfo(mesh, shard_mesh_dim=0)
+            if mesh.ndim == 1
+            else HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        )
+        assert ours.shard_mesh_size == 2 and ours.shard_mesh_rank == mesh.get_local_rank(-1)
+        return lambda p: (
+            ShardPlacementResult(placement=Shard(0), mesh_info=ours) if _is_expert(p) else None
+        )
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        FSDPMeshInfo,
-        HSDPMeshInfo,
+        FSDPMeshInfo as TorchFSDPMeshInfo,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo as TorchHSDPMeshInfo,
     )
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         ShardPlacementResult as TorchResult,
     )
 
     info = (
-        FSDPMeshInfo(mesh, shard_mesh_dim=0)
+        TorchFSDPMeshInfo(mesh, shard_mesh_dim=0)
         if mesh.ndim == 1
-        else HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        else TorchHSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     )
     return lambda p: TorchResult(Shard(0), info) if _is_expert(p) else None
 
@@ -137,7 +155,7 @@ def _shard(
     *,
     layout: str,
     torch_impl: bool = False,
-    torch_result: bool = False,
+    result: str = "mesh",
 ) -> None:
     assert isinstance(model, Net)
     if layout == "ep":
@@ -149,7 +167,7 @@ def _shard(
         from torch.distributed.fsdp import fully_shard as impl
     else:
         impl = fully_shard
-    fn = _placement_fn(layout, torch_result or torch_impl)
+    fn = _placement_fn(layout, "torch" if torch_impl else result)
     impl(model.moe, mesh=_world(), shard_placement_fn=fn)
     impl(model, mesh=_world())
 
@@ -157,10 +175,10 @@ def _shard(
 # -- parity against an unsharded replica -----------------------------------------------------
 
 
-def _parity(layout: str, torch_result: bool) -> dict[str, Any]:
+def _parity(layout: str, result: str) -> dict[str, Any]:
     stats = check_parity(
         Net,
-        functools.partial(_shard, layout=layout, torch_result=torch_result),
+        functools.partial(_shard, layout=layout, result=result),
         make_batch,
         _data_mesh(layout),
         steps=5,
@@ -168,12 +186,12 @@ def _parity(layout: str, torch_result: bool) -> dict[str, Any]:
     return dict(stats)
 
 
-@pytest.mark.parametrize("torch_result", [False, True], ids=["ours", "torch-result"])
+@pytest.mark.parametrize("result", ["mesh", "mesh_info", "torch"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_experts_on_a_sub_mesh_train_like_unsharded(layout: str, torch_result: bool) -> None:
-    if torch_result:
+def test_experts_on_a_sub_mesh_train_like_unsharded(layout: str, result: str) -> None:
+    if result == "torch":
         pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
-    for stats in run_distributed(_parity, 4, layout, torch_result, timeout=120):
+    for stats in run_distributed(_parity, 4, layout, result, timeout=120):
         assert stats["max_loss_diff"] <= 1e-5
         assert stats["max_grad_diff"] <= 1e-5
         assert stats["max_param_diff"] <= 1e-5
@@ -305,6 +323,34 @@ def _bad_cases() -> list[str]:
         ShardPlacementResult(Replicate(), sub)  # type: ignore[arg-type]
     with pytest.raises(FullyShardTypeError, match="must be a DeviceMesh"):
         ShardPlacementResult(Shard(0), "dp")  # type: ignore[arg-type]
+    with pytest.raises(FullyShardTypeError, match="pass mesh= or mesh_info="):
+        ShardPlacementResult(Shard(0))
+    with pytest.raises(FullyShardValueError, match="and a mesh_info on mesh"):
+        ShardPlacementResult(Shard(0), _world(), FSDPMeshInfo(sub, shard_mesh_dim=0))
+    # torch raises AssertionError for a mesh info without its dims: ours is one too
+    with pytest.raises(AssertionError, match="needs shard_mesh_dim"):
+        FSDPMeshInfo(sub)
+    with pytest.raises(AssertionError, match="needs replicate_mesh_dim"):
+        HSDPMeshInfo(_expert_mesh("hsdp"), shard_mesh_dim=1)
+    with pytest.raises(FullyShardValueError, match="not a dim of the 1-D mesh"):
+        FSDPMeshInfo(sub, shard_mesh_dim=1)
+    with pytest.raises(FullyShardNotImplementedError, match="full-SPMD-mesh mode"):
+        FSDPMeshInfo(sub, shard_mesh_dim=0, dp_mesh_dims=DataParallelMeshDims(shard="efsdp"))
+    # a (shard, replicate) order fully_shard does not read: refused with the parameter's name
+    check(
+        with_fn(
+            lambda p: (
+                ShardPlacementResult(
+                    None, HSDPMeshInfo(_expert_mesh("hsdp"), shard_mesh_dim=0, replicate_mesh_dim=1)
+                )
+                if _is_expert(p)
+                else None
+            )
+        ),
+        FullyShardValueError,
+        ("'w_in'", "shards mesh dim 0 and replicates dim 1"),
+        MoE(),
+    )
     # reshard_after_forward=4 divides the world mesh but not the 2-rank expert mesh
     check(
         with_fn(
@@ -374,7 +420,7 @@ class _Comm:
 
 def test_bad_per_param_meshes_are_refused_before_anything_changes() -> None:
     messages = run_distributed(_bad_cases, 4)[0]
-    assert len(messages) == 6
+    assert len(messages) == 7
 
 
 def test_moe_example_at_4_ranks() -> None:

@@ -13,8 +13,9 @@ parameter: ours against the reference and ours against torch's, within 1e-5 (fp3
 
 Scenarios: LoRA-style blocks whose frozen base weight sits beside trainable adapters (every
 frozen position, with activation checkpointing and with mixed precision), ``requires_grad_``
-after wrapping (freeze and unfreeze), ``set_is_last_backward`` on a non-root module, and the
-profiler labels.
+after wrapping (freeze and unfreeze), ``set_is_last_backward`` on a non-root module, the
+profiler labels, and ``unshard(async_op=True)`` called from a forward under torch's
+``replicate()`` (torch's ``test_unshard_async``).
 """
 
 from __future__ import annotations
@@ -314,6 +315,90 @@ def _unshard_async_then_train() -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_unshard_async_then_forward_and_backward_trains_like_torch(world: int) -> None:
     run_distributed(_unshard_async_then_train, world)
+
+
+# -- unshard(async_op=True) from a forward, under torch's replicate() (torch's test_unshard_async) -
+
+
+class _AllReduced(nn.Module):
+    """``relu(x @ w)``, then an async all-reduce of it (not differentiable) to overlap with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Any]:
+        y = torch.relu(x @ self.weight)
+        return y, dist.all_reduce(y, async_op=True)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoRABlock() for _ in range(2))
+
+    def forward(self, ys: list[Tensor], works: list[Any]) -> Tensor:
+        out = []
+        for layer, y, work in zip(self.layers, ys, works, strict=True):
+            work.wait()
+            out.append(layer(y))
+        return out[0] + out[1]
+
+
+class _PrefetchingNet(nn.Module):
+    """Unshards each sharded block from its own forward, between two all-reduces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduced = nn.ModuleList(_AllReduced() for _ in range(2))
+        self.blocks = _Blocks()
+
+    def forward(self, x: Tensor) -> Tensor:
+        ys, works = [], []
+        for reduced, block in zip(self.reduced, self.blocks.layers, strict=True):
+            y, work = reduced(x)
+            ys.append(y)
+            works.append(work)
+            if hasattr(block, "unshard"):  # sharded (ours or torch's): gather while we wait
+                block.unshard(async_op=True)
+        return self.blocks(ys, works)  # type: ignore[no-any-return]
+
+
+def _unshard_async_from_forward(impl: str) -> list[Tensor]:
+    """Torch's test_unshard_async scenario: blocks sharded with reshard_after_forward=False,
+    their parent sharded, the whole model under torch's replicate(); the losses of 3 Adam
+    steps and the full parameters after them."""
+    from torch.distributed._composable import replicate
+
+    torch.manual_seed(0)
+    model = _PrefetchingNet()
+    if impl != "ref":  # "ref": the unsharded model, replicated (DDP averages the gradients)
+        shard = fully_shard if impl == "ours" else torch_fully_shard
+        for block in model.blocks.layers:
+            shard(block, mesh=mesh_1d(), reshard_after_forward=False)
+        shard(model.blocks, mesh=mesh_1d())
+    replicate(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(dist.get_rank() + 1))
+    losses = []
+    for _ in range(3):
+        loss = model(x).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return [torch.stack(losses)] + [_full(p.detach()) for p in model.parameters()]
+
+
+def _unshard_async_side_by_side() -> None:
+    got = {impl: _unshard_async_from_forward(impl) for impl in ("ref", "torch", "ours")}
+    for want in ("ref", "torch"):
+        for i, (a, b) in enumerate(zip(got["ours"], got[want], strict=True)):
+            _compare(f"ours vs {want}: {'losses' if i == 0 else f'param {i}'}", a, b, ATOL)
+
+
+def test_unshard_async_from_a_forward_under_replicate_trains_like_torch() -> None:
+    run_distributed(_unshard_async_side_by_side, 2)
 
 
 # -- register_post_accumulate_grad_hook on a sharded parameter (optimizer in backward) ---------

@@ -238,12 +238,6 @@ CASES = [
         ("ignored_params", "nn.Parameters"),
     ),
     Case(
-        "ignored_params holds a foreign parameter",
-        lambda m: fully_shard(m, mesh=mesh_1d(), ignored_params={nn.Parameter(torch.zeros(4, 2))}),
-        FullyShardValueError,
-        ("ignored_params", "(4, 2)", "not a parameter of the module"),
-    ),
-    Case(
         "parameters on different devices",
         _mixed_devices,
         FullyShardValueError,

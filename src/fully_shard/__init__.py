@@ -19,7 +19,7 @@ from .errors import (
     FullyShardTypeError,
     FullyShardValueError,
 )
-from .mesh import ShardPlacementResult
+from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import (
     CPUOffloadPolicy,
@@ -38,6 +38,7 @@ __all__ = [
     "CommRecord",
     "CountingComm",
     "DataParallelMeshDims",
+    "FSDPMeshInfo",
     "FSDPModule",
     "FullyShardCopyError",
     "FullyShardDesyncError",
@@ -46,6 +47,7 @@ __all__ = [
     "FullyShardStateError",
     "FullyShardTypeError",
     "FullyShardValueError",
+    "HSDPMeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "QuantizationPolicy",

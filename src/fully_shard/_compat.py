@@ -6,7 +6,7 @@ Nothing else in the package touches a torch name that starts with an underscore 
 release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
 (``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
 ``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``,
-``torch_fsdp_module_class``, ``expose_to_torch_state``) only on 2.13.0,
+``torch_fsdp_module_class``, ``register_with_torch_composable``) only on 2.13.0,
 each written to fall back or to use a name 2.6 has; the last two also on 2.11 with CUDA.
 Other releases in between have not been run, so this file is the one place to check when
 they are.
@@ -267,7 +267,7 @@ def torch_fsdp_module_class() -> type | None:
 
 class _StateRegistry(dict[Any, Any]):
     """torch's per-module registry of composable-API states, answering ``view`` for torch's
-    ``fully_shard`` (see :func:`expose_to_torch_state`); other APIs (torch's composable
+    ``fully_shard`` (see :func:`register_with_torch_composable`); other APIs (torch's composable
     ``checkpoint``, ``replicate``) store and find their own states in it as usual."""
 
     def __init__(self, view: object) -> None:
@@ -282,23 +282,39 @@ class _StateRegistry(dict[Any, Any]):
         return default
 
 
-def expose_to_torch_state(module: torch.nn.Module, view: object) -> None:
-    """Make torch's ``fully_shard.state(module)`` return ``view`` for our sharded ``module``.
+def register_with_torch_composable(module: torch.nn.Module, view: object) -> None:
+    """Enter our sharded ``module`` in torch's composable-API registries as ``fully_shard``.
 
-    torch 2.13's pipelining (``_PipelineStageBase.perform_reduce_grad``, the REDUCE_GRAD action
-    of every schedule) reduces the gradients of an FSDP stage through
-    ``fully_shard.state(stage)._state_ctx.all_states[i]._fsdp_param_groups[j].post_backward()``
-    and ``._root_post_backward_final_callback()``; ``view`` answers those names
-    (:mod:`fully_shard.interop`). ``fully_shard.state`` is the composable-API registry
-    ``module.__dict__[contract.STATE_KEY].get(torch's fully_shard)``: the key (a private,
-    per-process name in ``torch.distributed._composable.contract``) is read off
-    ``sys.modules`` like :func:`torch_fsdp_module_class`, and the registry put there answers
-    ``view`` when asked for a function named ``fully_shard``. Without torch's FSDP loaded
-    nothing is needed (nothing of torch's can ask). Run on 2.13 only.
+    Two private per-module dicts of ``torch.distributed._composable.contract`` (read in torch
+    2.13's ``contract.py``, run on 2.13), both keyed by a per-process name in the module's
+    ``__dict__``:
+
+    - ``REGISTRY_KEY``: name -> ``RegistryItem``. torch's ``replicate()`` leaves the
+      parameters of a module registered as ``"fully_shard"`` alone; on one it does not see as
+      sharded it turns every DTensor parameter into a plain local one and all-reduces it with
+      DDP, which breaks ours (torch's ``test_unshard_async``: a ``replicate``'d root above
+      ``fully_shard`` blocks). Only membership of the name is read.
+    - ``STATE_KEY``: function -> state, what ``fully_shard.state(module)`` returns. torch's
+      pipelining (``_PipelineStageBase.perform_reduce_grad``, the REDUCE_GRAD action of every
+      schedule) reduces an FSDP stage through
+      ``fully_shard.state(stage)._state_ctx.all_states[i]._fsdp_param_groups[j]
+      .post_backward()`` and ``._root_post_backward_final_callback()``; ``view`` answers those
+      names (:mod:`fully_shard.interop`), put in a registry that answers it when asked for a
+      function named ``fully_shard``.
+
+    The module is read off ``sys.modules``, never imported: torch's FSDP package loads it,
+    and so does ``torch._dynamo`` on 2.13, before our class swap (see
+    :func:`torch_fsdp_module_class`). Without it nothing of torch's can ask.
     """
     contract = sys.modules.get("torch.distributed._composable.contract")
-    key = getattr(contract, "STATE_KEY", None)
-    if isinstance(key, str):
-        registry = _StateRegistry(view)
-        registry.update(module.__dict__.get(key) or {})
-        module.__dict__[key] = registry
+    registry_key = getattr(contract, "REGISTRY_KEY", None)
+    item = getattr(contract, "RegistryItem", None)
+    if isinstance(registry_key, str) and item is not None:
+        registry = module.__dict__.setdefault(registry_key, {})
+        if isinstance(registry, dict):
+            registry.setdefault("fully_shard", item())
+    state_key = getattr(contract, "STATE_KEY", None)
+    if isinstance(state_key, str):
+        states = _StateRegistry(view)
+        states.update(module.__dict__.get(state_key) or {})
+        module.__dict__[state_key] = states

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar, overload
@@ -18,11 +17,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._compat import expose_to_torch_state, torch_fsdp_module_class
+from ._compat import register_with_torch_composable, torch_fsdp_module_class
 from .collectives import TorchComm
 from .debug import check_from_environment
 from .errors import (
     FullyShardArgumentTypeError,
+    FullyShardAssertionError,
     FullyShardNotImplementedError,
     FullyShardTypeError,
     FullyShardValueError,
@@ -171,6 +171,8 @@ def fully_shard(
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: where sharded state lives (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters to leave alone: plain tensors, never gathered or reduced.
+            Parameters of other modules in it are skipped (as in torch), so one set can be
+            passed to every call of a bottom-up wrap.
         dp_mesh_dims: torch 2.13's full-SPMD-mesh mode (a :class:`DataParallelMeshDims`):
             ``mesh`` is then the whole mesh, every parameter already a DTensor on it with
             ``Replicate()`` on the dims named here; we shard over ``shard`` and replicate over
@@ -283,8 +285,10 @@ def fully_shard(
             post_forward=post_forward,
         )
         groups.append(ParamGroup(params, modules, group_info, config, TorchComm()))
-    originals = {id(plan.param): weakref.ref(plan.param) for plan in plans}
-    state = FSDPState(tuple(groups), modules, originals)
+    owner = type(modules[0]).__name__
+    for plan in plans:
+        setattr(plan.param, _SHARDED_BY, (owner, plan.fqn))
+    state = FSDPState(tuple(groups), modules)
     state.install()
     _install_state_dict_hooks(state)
     torch_base = torch_fsdp_module_class()
@@ -292,7 +296,8 @@ def fully_shard(
         m._fsdp_state = state  # type: ignore[assignment]  # nn.Module stores it in __dict__
         # type objects are hashable; torch's stubs declare Module.__hash__ oddly for mypy
         m.__class__ = _fsdp_class(type(m), torch_base)  # type: ignore[arg-type]
-        expose_to_torch_state(m, TorchStateView(state))
+        # torch's replicate() above it leaves our parameters alone; its pipelining reduces
+        register_with_torch_composable(m, TorchStateView(state))
     return module
 
 
@@ -378,7 +383,7 @@ def _check_modules(module: object) -> tuple[nn.Module, ...]:
                 f"holds the {type(m).__name__}"
             )
         if isinstance(m, FSDPModule):
-            raise FullyShardValueError(
+            raise FullyShardAssertionError(
                 f"fully_shard was already applied to this {type(m).__name__}; each module can "
                 "be sharded once (to change options use the set_* methods)"
             )
@@ -476,31 +481,32 @@ def _check_ignored(ignored_params: object, modules: tuple[nn.Module, ...]) -> se
             raise FullyShardTypeError(
                 f"ignored_params must hold nn.Parameters, got a {type(p).__name__}"
             )
-        if id(p) not in owned:
-            raise FullyShardValueError(
-                f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not a "
-                "parameter of the module(s) being sharded"
-            )
-        ignored.add(p)
+        # One set for every call of a post-order wrap, as torch allows: a parameter outside
+        # these modules has nothing to be left alone from here.
+        if id(p) in owned:
+            ignored.add(p)
     return ignored
 
 
-def _owned_elsewhere(
-    modules: tuple[nn.Module, ...],
-) -> tuple[set[int], dict[int, weakref.ref[nn.Parameter]]]:
-    """Parameters that earlier ``fully_shard`` calls on submodules own (and their originals)."""
+def _owned_elsewhere(modules: tuple[nn.Module, ...]) -> set[int]:
+    """Parameters that earlier ``fully_shard`` calls on submodules own (sharded or gathered)."""
     owned: set[int] = set()
-    originals: dict[int, weakref.ref[nn.Parameter]] = {}
     for top in modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
-                state = m._fsdp_state
-                for p in state.params:
+                for p in m._fsdp_state.params:
                     owned.add(id(p.sharded_param))
                     if p.unsharded_param is not None:
                         owned.add(id(p.unsharded_param))
-                originals.update(state.original_params)
-    return owned, originals
+    return owned
+
+
+# The attribute set on a parameter once a fully_shard call has sharded it: (the class of the
+# call's first module, the parameter's name there). The module then holds a new DTensor
+# parameter; another module still holding the original (a tied weight wrapped in another
+# call, a sibling this call cannot see from its module) meets it here and is refused,
+# instead of sharding a second, untied copy.
+_SHARDED_BY = "_fully_shard_sharded_by"
 
 
 _Found = tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]
@@ -509,7 +515,7 @@ _Found = tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[_Found]:
     """The parameters this call owns: not ignored, not owned by an earlier call."""
-    owned, originals = _owned_elsewhere(modules)
+    owned = _owned_elsewhere(modules)
     ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]] = {}
     seen_slots: set[tuple[int, str]] = set()
@@ -523,12 +529,17 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) 
                     continue
                 seen_slots.add((id(m), name))
                 fqn = prefix + (f"{mod_name}.{name}" if mod_name else name)
-                original = originals.get(id(p))
-                if original is not None and original() is p:
+                sharded_by = getattr(p, _SHARDED_BY, None)
+                if sharded_by is not None:
+                    owner, name_there = sharded_by
                     raise FullyShardValueError(
-                        f"parameter {fqn!r} is tied to a parameter that an earlier fully_shard "
-                        "call on a submodule already sharded; tied parameters must be in one "
-                        "group: do not wrap the submodule separately (leave it to this call)"
+                        f"parameter {fqn!r} is tied to {name_there!r} of the {owner} that an "
+                        "earlier fully_shard call already sharded (one tensor in two modules, "
+                        "e.g. an embedding shared with the output head); sharding it again "
+                        "would untie them. Tied parameters must be in one group: shard the "
+                        "modules that hold it in one call (fully_shard([model.tok_embeddings, "
+                        "model.output])), or leave them to the call on their common parent "
+                        "(do not wrap them separately)"
                     )
                 if id(p) not in found:
                     found[id(p)] = (p, fqn, [])
@@ -623,7 +634,7 @@ def _shard_dim(p: nn.Parameter, fqn: str, placement: object, tp: TPLayout | None
         )
     dim = placement.dim
     if not -p.dim() <= dim < p.dim():
-        raise FullyShardValueError(
+        raise FullyShardAssertionError(
             f"shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of shape "
             f"{tuple(p.shape)}; the dim must be in [{-p.dim()}, {p.dim() - 1}]"
         )

@@ -390,7 +390,11 @@ class _Progress:
             except ImportError:
                 print("(install fully-shard[demo] for a progress bar)", flush=True)
             else:
-                self.bar = tqdm(total=total, desc="training", unit="step", file=sys.stdout)
+                # No monitor thread (tqdm starts one per process to fix stalled bars): a
+                # thread is one more thing alive at interpreter exit, where the demo aborted.
+                # A subclass, so tqdm's own class attribute stays as it was.
+                bar = type("_Bar", (tqdm,), {"monitor_interval": 0})
+                self.bar = bar(total=total, desc="training", unit="step", file=sys.stdout)
 
     def update(self, step: int, loss: float, step_ms: float) -> None:
         if not self.enabled:
@@ -429,6 +433,12 @@ def _worker(rank: int, cfg: DemoConfig, port: int) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         train(rank, world, cfg)
+        # Leave together. Rank 0 prints the summary after the others have returned; without
+        # this they tore their gloo connections down and exited while rank 0 still ran, and
+        # one process in ~17 aborted at exit ("terminate called without an active
+        # exception", SIGABRT): gloo threads still winding down while the interpreter
+        # finalized. After the barrier no rank has a collective left in flight.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -48,6 +48,21 @@ class FullyShardValueError(FullyShardError, ValueError):
     """
 
 
+class FullyShardAssertionError(FullyShardValueError, AssertionError):
+    """A wrong value where torch's ``fully_shard`` raises ``AssertionError``.
+
+    Both a ``ValueError`` (what it is) and an ``AssertionError`` (what torch raises for the
+    same call: ``fully_shard`` applied twice to one module, ``shard_placement_fn`` naming a
+    dim the parameter lacks, a mesh info without its shard dim), so ``except`` clauses
+    written for either keep working. Raised with ``raise``, so ``python -O`` keeps it.
+
+    Example:
+        >>> from fully_shard.errors import FullyShardAssertionError
+        >>> issubclass(FullyShardAssertionError, (ValueError, AssertionError))
+        True
+    """
+
+
 class FullyShardArgumentTypeError(FullyShardTypeError, ValueError):
     """An argument of the wrong type where torch's ``fully_shard`` raises ``ValueError``.
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._compat import version
+from ._compat import local_tensor, version
 from .collectives import (
     Comm,
     GatherInput,
@@ -49,6 +49,7 @@ from .collectives import (
     wire_dtype,
 )
 from .errors import FullyShardStateError
+from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
 from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
 from .param import ShardedParam
@@ -248,8 +249,12 @@ class ParamGroup:
         if self._initialized:
             return
         self._initialized = True
+        sub = self.config.post_forward
         for p in self.params:
             p.sync_with_module()
+            if sub is not None:  # hooks patched on since fully_shard: refused as it would
+                own = local_tensor(p.sharded_param)
+                check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
             if p.local_shard.device.type == "meta":
                 raise FullyShardStateError(
                     f"parameter {p.fqn!r} is still on the meta device at the first forward; "
@@ -276,19 +281,24 @@ class ParamGroup:
         else:
             self._drop_pieces()
             self._gathered_versions = self.sharded_versions()
-        # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
-        inputs = [p.all_gather_inputs() for p in self.params]
-        flat_inputs = [gi for per_param in inputs for gi in per_param]
-        wire = wire_dtype([gi.dtype for gi in flat_inputs])
-        sizes = split_sizes(flat_inputs, wire)
-        total = sum(sizes)
-        # In place: this rank's input is its own slice of the output, so no separate input
-        # buffer exists.
-        output = allocate_buffer(
-            self._allocator(self.config.all_gather_comm), total * world, wire, self.info.device
-        )
-        flat_in = output.narrow(0, rank * total, total)
-        copy_in(flat_in, flat_inputs)
+        # What is sent is data, never part of a graph (as in torch): unshard(async_op=True)
+        # may be called from a forward with grad enabled, on shards that require grad (a
+        # shard torch's replicate() made a Parameter of), and copying those into views of
+        # the flat buffer with autograd recording would fail.
+        with torch.no_grad():
+            # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
+            inputs = [p.all_gather_inputs() for p in self.params]
+            flat_inputs = [gi for per_param in inputs for gi in per_param]
+            wire = wire_dtype([gi.dtype for gi in flat_inputs])
+            sizes = split_sizes(flat_inputs, wire)
+            total = sum(sizes)
+            # In place: this rank's input is its own slice of the output, so no separate
+            # input buffer exists.
+            output = allocate_buffer(
+                self._allocator(self.config.all_gather_comm), total * world, wire, self.info.device
+            )
+            flat_in = output.narrow(0, rank * total, total)
+            copy_in(flat_in, flat_inputs)
         comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
         work = issue_observed(
             self,
@@ -317,7 +327,8 @@ class ParamGroup:
             if pending.work is not None:
                 pending.work.wait()
             self.begin("all_gather_copy_out")
-            self._copy_out(pending)
+            with torch.no_grad():  # data into storage, as the copy-in: never recorded
+                self._copy_out(pending)
             self.end("all_gather_copy_out")
         for p in self.params:
             unsharded = p.unsharded_param

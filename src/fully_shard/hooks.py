@@ -260,7 +260,6 @@ class FSDPState:
         self,
         groups: tuple[ParamGroup, ...],
         modules: tuple[nn.Module, ...],
-        original_params: dict[int, weakref.ref[nn.Parameter]],
     ) -> None:
         if not groups:
             raise RuntimeError("a fully_shard state needs at least one group (internal error)")
@@ -268,10 +267,6 @@ class FSDPState:
         # through shard_placement_fn); the call's own mesh first.
         self.groups = groups
         self.modules = modules
-        # The parameters as they were before sharding: a tie to one of them from outside this
-        # group would silently untie, so later fully_shard calls refuse it. Keyed by id, held
-        # weakly (a WeakSet would compare tensors with ==).
-        self.original_params = original_params
         self.phase = Phase.IDLE
         self.root: RootContext | None = None
         self.is_root = False

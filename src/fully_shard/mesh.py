@@ -20,7 +20,7 @@ Parameters that are already DTensors (tensor parallel, or on a full SPMD mesh wi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ._compat import root_mesh
 from .errors import (
+    FullyShardAssertionError,
     FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
@@ -242,18 +243,141 @@ def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class FSDPMeshInfo:
+    """Which dim of a mesh shards (torch 2.13's ``FSDPMeshInfo``, with its constructor fields).
+
+    For :class:`ShardPlacementResult` ``(placement, mesh_info=...)`` as written against torch:
+    code that builds torch's ``FSDPMeshInfo(mesh, shard_mesh_dim=0)`` builds ours with the
+    same arguments. ``fully_shard`` reads a 1-D mesh as (shard) and a 2-D one as
+    (replicate, shard), so the dims must say that; the group sizes and ranks torch computes
+    are properties here, read from the mesh when asked.
+
+    Attributes:
+        mesh: the mesh.
+        shard_mesh_dim: the dim parameters are sharded over (``0`` for a 1-D mesh).
+        replicate_mesh_dim: the dim they are replicated over, or ``None`` (see
+            :class:`HSDPMeshInfo`).
+        dp_mesh_dims: torch's full-SPMD-mesh mode for this mesh; not supported for a
+            per-parameter mesh (must be ``None``).
+        spmd_mesh: the full SPMD mesh of that mode (must be ``None``).
+
+    Example:
+        >>> from torch.distributed.tensor import Shard
+        >>> from fully_shard import FSDPMeshInfo, ShardPlacementResult
+        >>> info = FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)  # doctest: +SKIP
+        >>> ShardPlacementResult(placement=Shard(0), mesh_info=info)  # doctest: +SKIP
+    """
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int | None = None
+    replicate_mesh_dim: int | None = None
+    dp_mesh_dims: object = None
+    spmd_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.mesh, DeviceMesh):
+            raise FullyShardTypeError(
+                f"{name}.mesh must be a DeviceMesh, got {type(self.mesh).__name__}"
+            )
+        if self.shard_mesh_dim is None:
+            raise FullyShardAssertionError(
+                f"{name} needs shard_mesh_dim (the mesh dim parameters are sharded over): "
+                f"e.g. {name}(mesh, shard_mesh_dim=0) for a 1-D mesh"
+            )
+        for field_name in ("shard_mesh_dim", "replicate_mesh_dim"):
+            dim = getattr(self, field_name)
+            if dim is not None and not 0 <= dim < self.mesh.ndim:
+                raise FullyShardValueError(
+                    f"{name}.{field_name}={dim} is not a dim of the {self.mesh.ndim}-D mesh "
+                    f"{self.mesh}"
+                )
+        if self.dp_mesh_dims is not None or self.spmd_mesh is not None:
+            raise FullyShardNotImplementedError(
+                f"{name} with dp_mesh_dims / spmd_mesh (torch's full-SPMD-mesh mode) is not "
+                "supported for a per-parameter mesh; leave both None, or pass the full mesh "
+                "to fully_shard(mesh=..., dp_mesh_dims=...) without a mesh of its own"
+            )
+
+    @property
+    def shard_mesh_size(self) -> int:
+        return self.mesh.size(self._shard_dim)
+
+    @property
+    def shard_process_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(self._shard_dim)
+
+    @property
+    def shard_mesh_rank(self) -> int:
+        return self.mesh.get_local_rank(self._shard_dim)
+
+    @property
+    def _shard_dim(self) -> int:
+        if self.shard_mesh_dim is None:  # refused in __post_init__
+            raise RuntimeError("FSDPMeshInfo without shard_mesh_dim (internal error)")
+        return self.shard_mesh_dim
+
+
+@dataclass(frozen=True)
+class HSDPMeshInfo(FSDPMeshInfo):
+    """A 2-D mesh that replicates over one dim and shards over the other (torch 2.13's
+    ``HSDPMeshInfo``): ``HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)``.
+
+    Attributes:
+        replicate_mesh_dim: required here; the others as in :class:`FSDPMeshInfo`.
+
+    Example:
+        >>> from fully_shard import HSDPMeshInfo
+        >>> HSDPMeshInfo(hsdp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)  # doctest: +SKIP
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replicate_mesh_dim is None:
+            raise FullyShardAssertionError(
+                "HSDPMeshInfo needs replicate_mesh_dim: HSDPMeshInfo(mesh, shard_mesh_dim=1, "
+                "replicate_mesh_dim=0) for a (replicate, shard) mesh; FSDPMeshInfo shards only"
+            )
+
+    @property
+    def replicate_mesh_size(self) -> int:
+        return self.mesh.size(self._replicate_dim)
+
+    @property
+    def replicate_process_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(self._replicate_dim)
+
+    @property
+    def replicate_mesh_rank(self) -> int:
+        return self.mesh.get_local_rank(self._replicate_dim)
+
+    @property
+    def _replicate_dim(self) -> int:
+        if self.replicate_mesh_dim is None:  # refused in __post_init__
+            raise RuntimeError("HSDPMeshInfo without replicate_mesh_dim (internal error)")
+        return self.replicate_mesh_dim
+
+
+@dataclass(frozen=True)
 class ShardPlacementResult:
     """What ``shard_placement_fn`` returns to shard a parameter over a mesh of its own.
 
     The parameters of one ``fully_shard`` call that name the same mesh form one group (one
     all-gather, one reduce-scatter), the others stay with the call's ``mesh``: e.g. the
     experts of a mixture-of-experts layer sharded over the ranks that hold the same experts,
-    the router over all ranks. torch 2.13's ``ShardPlacementResult(placement, mesh_info)``
-    is accepted too (read by duck typing: its ``mesh_info.mesh``).
+    the router over all ranks.
+
+    Built with our field name (``ShardPlacementResult(Shard(0), mesh)``) or torch 2.13's
+    (``ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh,
+    shard_mesh_dim=0))``, with :class:`FSDPMeshInfo` / :class:`HSDPMeshInfo` from here or
+    torch's): the second positional argument may be either. torch's own
+    ``ShardPlacementResult`` is accepted too (read by duck typing: its ``mesh_info.mesh``).
 
     Attributes:
         placement: ``Shard(dim)``, or ``None`` for the default dim.
-        mesh: a 1-D (shard) or 2-D (replicate, shard: HSDP) mesh, like ``fully_shard``'s.
+        mesh: a 1-D (shard) or 2-D (replicate, shard: HSDP) mesh, like ``fully_shard``'s
+            (taken from ``mesh_info`` when only that is given).
+        mesh_info: the mesh info it was built with, or ``None``.
 
     Example:
         >>> from torch.distributed.tensor import Shard
@@ -264,7 +388,8 @@ class ShardPlacementResult:
     """
 
     placement: Shard | None
-    mesh: DeviceMesh
+    mesh: DeviceMesh = None  # type: ignore[assignment]  # filled from mesh_info when absent
+    mesh_info: object = None  # FSDPMeshInfo / HSDPMeshInfo, ours or torch's
 
     def __post_init__(self) -> None:
         if self.placement is not None and not isinstance(self.placement, Shard):
@@ -272,10 +397,36 @@ class ShardPlacementResult:
                 f"ShardPlacementResult.placement must be a Shard(dim) or None, got "
                 f"{self.placement!r}"
             )
-        if not isinstance(self.mesh, DeviceMesh):
+        given: object = self.mesh
+        if given is not None and not isinstance(given, DeviceMesh) and hasattr(given, "mesh"):
+            # torch's positional order: ShardPlacementResult(placement, mesh_info)
+            if self.mesh_info is not None:
+                raise FullyShardTypeError(
+                    "ShardPlacementResult got a mesh info as its mesh and another as "
+                    "mesh_info; pass one: ShardPlacementResult(placement, mesh) or "
+                    "ShardPlacementResult(placement, mesh_info=...)"
+                )
+            object.__setattr__(self, "mesh_info", given)
+            given = None
+        info_mesh = None if self.mesh_info is None else getattr(self.mesh_info, "mesh", None)
+        if self.mesh_info is not None and not isinstance(info_mesh, DeviceMesh):
             raise FullyShardTypeError(
-                f"ShardPlacementResult.mesh must be a DeviceMesh, got {type(self.mesh).__name__}"
+                f"ShardPlacementResult.mesh_info must be an FSDPMeshInfo / HSDPMeshInfo with a "
+                f"DeviceMesh .mesh, got {type(self.mesh_info).__name__}"
             )
+        if given is None:
+            given = info_mesh
+        elif info_mesh is not None and info_mesh != given:
+            raise FullyShardValueError(
+                f"ShardPlacementResult got mesh {given} and a mesh_info on mesh {info_mesh}; "
+                "pass one of them, or the same mesh"
+            )
+        if not isinstance(given, DeviceMesh):
+            raise FullyShardTypeError(
+                f"ShardPlacementResult.mesh must be a DeviceMesh, got {type(given).__name__}"
+                + ("" if given is not None else " (pass mesh= or mesh_info=)")
+            )
+        object.__setattr__(self, "mesh", given)
 
 
 class MeshResolver:
@@ -309,12 +460,14 @@ class MeshResolver:
 
 
 def _result_mesh(result: object, fqn: str) -> DeviceMesh | None:
-    if isinstance(result, ShardPlacementResult):
-        return result.mesh
     torch_info = getattr(result, "mesh_info", None)
-    if torch_info is None or not hasattr(result, "placement"):
+    if isinstance(result, ShardPlacementResult):
+        if torch_info is None:
+            return result.mesh
+    elif torch_info is None or not hasattr(result, "placement"):
         return None
-    # torch's ShardPlacementResult(placement, mesh_info: FSDPMeshInfo / HSDPMeshInfo)
+    # A mesh info (torch's ShardPlacementResult(placement, mesh_info), or ours built with
+    # torch's field name): FSDPMeshInfo / HSDPMeshInfo, ours or torch's.
     mesh = getattr(torch_info, "mesh", None)
     if not isinstance(mesh, DeviceMesh):
         raise FullyShardTypeError(

@@ -60,9 +60,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._compat import dtensor_from_spec, dtensor_spec, post_accumulate_grad_hooks
+from ._compat import dtensor_from_spec, dtensor_spec, local_tensor, post_accumulate_grad_hooks
 from .collectives import GatherInput
-from .extensions import SubclassGather, has_extension
+from .extensions import SubclassGather, check_extension_plan, has_extension
 from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
@@ -335,10 +335,18 @@ class ShardedParam:
 
     def _choose_unsharded_side(self) -> None:
         """Gather through the local shard's hooks if it has them (asked again at lazy init:
-        ``_apply`` may have replaced it, or the hooks were patched on after ``fully_shard``)."""
+        ``_apply`` may have replaced it, or the hooks were patched on after ``fully_shard``).
+
+        Patched hooks sit on the sharded DTensor's own ``_local_tensor`` (what torch's tests
+        and docs patch, an instance attribute: "the extension works without a subclass"),
+        which is not the tensor ``to_local()`` gives an ``nn.Parameter(DTensor)``: ask both.
+        """
         side = self.unsharded_side
-        if has_extension(self._local):
+        own = local_tensor(self.sharded_param)
+        if has_extension(self._local) or has_extension(own):
             if not isinstance(side, SubclassGather):
+                # Patched on since fully_shard checked the plan: check it now.
+                check_extension_plan(own, self.fqn, self.shard_dim, self.tp is not None, None)
                 module = self.slots[0][0]
                 self.unsharded_side = SubclassGather(self.fqn, self.orig_size, module, self.info)
         elif not isinstance(side, DenseStorage):
