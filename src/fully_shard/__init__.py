@@ -18,8 +18,10 @@ from .errors import (
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
+    PlanInfeasibleError,
 )
 from .mesh import ShardPlacementResult
+from .plan import Plan, plan
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import (
     CPUOffloadPolicy,
@@ -48,6 +50,8 @@ __all__ = [
     "FullyShardValueError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Plan",
+    "PlanInfeasibleError",
     "QuantizationPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
@@ -55,6 +59,7 @@ __all__ = [
     "UnshardHandle",
     "debug",
     "fully_shard",
+    "plan",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",
