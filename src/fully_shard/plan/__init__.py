@@ -742,13 +742,11 @@ def plan(
     owners = [i.group for i in infos]
     meta_args, meta_kwargs = to_fake((args, kwargs), mode)
     in_dtype = mp.forward_input_dtype()
-    if in_dtype is not None:
-        meta_args, meta_kwargs = _cast_float((meta_args, meta_kwargs), in_dtype)
     loss = _default_loss if loss_fn is None else loss_fn
     try:
-        plain = run_trace(replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss, False, mode)
+        plain = run_trace(replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss, False, mode, in_dtype)
         ckpt = (
-            run_trace(replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss, True, mode)
+            run_trace(replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss, True, mode, in_dtype)
             if "checkpoint" in allowed and blocks
             else None
         )
@@ -798,8 +796,3 @@ def plan(
         plan=smallest,
     )
 
-
-def _cast_float(obj: Any, dtype: torch.dtype) -> Any:
-    from .activations import _map
-
-    return _map(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)

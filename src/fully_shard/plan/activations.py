@@ -286,12 +286,15 @@ def run_trace(
     loss_fn: Callable[[Any], torch.Tensor],
     checkpointed: bool,
     mode: FakeTensorMode,
+    input_dtype: torch.dtype | None = None,
 ) -> Trace:
     """One forward (``loss_fn`` on the output) and backward of ``replica`` on meta tensors.
 
     ``blocks`` are the replica's blocks (groups 1..N; the root is group 0), ``params`` the
     replica's parameters with ``owner_of_param`` their group. ``checkpointed`` runs every
     block under non-reentrant activation checkpointing, as :class:`CheckpointedBlock` does.
+    ``input_dtype``: every group casts its floating-point inputs to it before its forward
+    (``MixedPrecisionPolicy.cast_forward_inputs``), as the engine's pre-forward hook does.
     """
     group_of_param = {id(p): (owner_of_param[i], i) for i, p in enumerate(params)}
     rec = _Recorder(group_of_param)
@@ -313,10 +316,13 @@ def run_trace(
 
     def pre(g: int, module: nn.Module, a: Any, kw: Any) -> Any:
         rec.mark("fwd_start", g, g)
+        if input_dtype is not None:
+            dtype = input_dtype
+            a, kw = _map((a, kw), lambda t: t.to(dtype) if t.is_floating_point() else t)
         needing = [t for t in _tensors((a, kw)) if t.requires_grad]
         inputs_need_grad[g] = bool(needing) or inputs_need_grad[g]
         if not needing or not torch.is_grad_enabled():
-            return None
+            return (a, kw)
         passed = _Boundary.apply(lambda: rec.mark("bwd_end", g, 0), *needing)
         swap = {id(t): o for t, o in zip(needing, passed, strict=True)}
         return _map((a, kw), lambda t: swap.get(id(t), t))
