@@ -21,8 +21,8 @@ from .errors import (
     PlanInfeasibleError,
 )
 from .mesh import ShardPlacementResult
-from .plan import Plan, plan
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .plan import Plan, plan
 from .policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,

@@ -327,7 +327,11 @@ class Plan:
             "  at the peak: "
             + ", ".join(f"{name} {_fmt(n)}" for name, n in self.breakdown if n > 0)
         )
-        offload = f"offload to host ({_fmt(self.host_bytes)} host per rank)" if self.offload else "no offload"
+        offload = (
+            f"offload to host ({_fmt(self.host_bytes)} host per rank)"
+            if self.offload
+            else "no offload"
+        )
         lines.append(
             f"moves {_fmt(self.step_bytes)} per rank per step; recomputes "
             f"{self.recompute_flops / 1e9:.1f} GFLOP; {offload}"
@@ -363,9 +367,23 @@ def _find_blocks(model: nn.Module, block_types: Sequence[type[nn.Module]] | None
         chosen: tuple[type[nn.Module], ...] = (max(numel, key=lambda t: numel[t]),)
     else:
         chosen = tuple(block_types)
+    # How many module slots hold each parameter: a block whose parameter is also held
+    # outside it (a tied output head) cannot be a group of its own.
+    slots: Counter[int] = Counter()
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                slots[id(p)] += 1
     found: list[str] = []
     for name, m in model.named_modules():
-        if name and isinstance(m, chosen) and not any(name.startswith(f + ".") for f in found):
+        if not name or not isinstance(m, chosen) or any(name.startswith(f + ".") for f in found):
+            continue
+        inside: Counter[int] = Counter()
+        for sub in m.modules():
+            for p in sub._parameters.values():
+                if p is not None:
+                    inside[id(p)] += 1
+        if all(inside[k] == slots[k] for k in inside):
             found.append(name)
     return found
 
@@ -482,7 +500,6 @@ def _cost(s: _Setup, c: Choice, costs: StepCosts) -> tuple[float, int, int]:
     frac = (world - 1) / world
     sent = 0.0
     host = 0.0
-    flops = 0
     for g in range(m.n_groups):
         ps = [p for p in m.params if p.group == g]
         if not ps:
@@ -497,7 +514,11 @@ def _cost(s: _Setup, c: Choice, costs: StepCosts) -> tuple[float, int, int]:
             d0, rest = p.rows_rest()
             chunk = math.ceil(d0 / world)
             n = chunk * rest
-            gathered += world * n * p.compute_itemsize if p.wire_bytes_per_row is None else world * p.wire_bytes_per_row
+            gathered += (
+                world * n * p.compute_itemsize
+                if p.wire_bytes_per_row is None
+                else world * p.wire_bytes_per_row
+            )
             shards += min(chunk, d0) * rest * p.orig_itemsize
             if i in tr.params_with_grad:
                 padded += world * n * p.reduce_itemsize
@@ -514,11 +535,7 @@ def _cost(s: _Setup, c: Choice, costs: StepCosts) -> tuple[float, int, int]:
             sent += 2 * (s.replicate - 1) / s.replicate * padded / world
         if c.offload and not s.device_is_host:
             host += (1 + (flag is not False and regathered)) * shards + grads
-    for span in tr.items:
-        if not isinstance(span, Mark) and span.owner and c.checkpoint[span.owner]:
-            flops += span.flops
-    # Only forward spans are recomputed: take half of the block's traced FLOPs as a stand-in
-    # for its forward would be wrong for attention; the forward spans are counted instead.
+    # Checkpointing recomputes a block's forward: the FLOPs of its forward spans.
     flops = _forward_flops(tr, c)
     cost = sent + flops / costs.flops_per_byte + costs.host_weight * host
     return cost, int(sent), flops
@@ -544,7 +561,11 @@ def _simulate(s: _Setup, c: Choice, rank: int = 0) -> Outcome:
 
 
 def _to_plan(
-    s: _Setup, c: Choice, budget: int, costs: StepCosts, mp: MixedPrecisionPolicy,
+    s: _Setup,
+    c: Choice,
+    budget: int,
+    costs: StepCosts,
+    mp: MixedPrecisionPolicy,
     qp: QuantizationPolicy,
 ) -> Plan:
     out = _simulate(s, c)
@@ -562,7 +583,11 @@ def _to_plan(
             shard += min(chunk, d0) * rest * p.orig_itemsize
             unsharded += s.world * chunk * rest * p.compute_itemsize
             numel += s.numels[i]
-        groups.append(GroupPlan(s.labels[g] if g else "", numel, shard, unsharded, c.reshard[g], c.checkpoint[g]))
+        groups.append(
+            GroupPlan(
+                s.labels[g] if g else "", numel, shard, unsharded, c.reshard[g], c.checkpoint[g]
+            )
+        )
     return Plan(
         budget=budget,
         world_size=s.world,
@@ -606,7 +631,7 @@ def plan(
     allow: Iterable[Option] = ("reshard", "checkpoint", "offload"),
     block_types: Sequence[type[nn.Module]] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    costs: StepCosts = StepCosts(),  # noqa: B008 - frozen, shared
+    costs: StepCosts = StepCosts(),
 ) -> Plan:
     """The cheapest ``fully_shard`` configuration of ``model`` whose step fits in ``budget``.
 
@@ -744,9 +769,31 @@ def plan(
     in_dtype = mp.forward_input_dtype()
     loss = _default_loss if loss_fn is None else loss_fn
     try:
-        plain = run_trace(replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss, False, mode, in_dtype)
+        plain = run_trace(
+            replica,
+            blocks,
+            replica_params,
+            owners,
+            meta_args,
+            meta_kwargs,
+            loss,
+            False,
+            mode,
+            in_dtype,
+        )
         ckpt = (
-            run_trace(replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss, True, mode, in_dtype)
+            run_trace(
+                replica,
+                blocks,
+                replica_params,
+                owners,
+                meta_args,
+                meta_kwargs,
+                loss,
+                True,
+                mode,
+                in_dtype,
+            )
             if "checkpoint" in allowed and blocks
             else None
         )
@@ -772,7 +819,9 @@ def plan(
         device_type == "cpu",
         device_type,
     )
-    candidates = _candidates(len(blocks), world, allowed if ckpt else allowed - {"checkpoint"}, device_type != "cpu")
+    candidates = _candidates(
+        len(blocks), world, allowed if ckpt else allowed - {"checkpoint"}, device_type != "cpu"
+    )
     scored = sorted(
         ((_cost(setup, c, costs)[0], i, c) for i, c in enumerate(candidates)),
         key=lambda t: (t[0], t[1]),
@@ -784,7 +833,8 @@ def plan(
             return _to_plan(setup, c, budget_bytes, costs, mp, qp)
         if best is None or peak < best[0]:
             best = (peak, c)
-    assert best is not None  # noqa: S101 - at least the default configuration is a candidate
+    if best is None:  # at least the default configuration is always a candidate
+        raise RuntimeError("plan(): no configuration was tried (internal error)")
     minimum, c = best
     smallest = _to_plan(setup, c, budget_bytes, costs, mp, qp)
     raise PlanInfeasibleError(
@@ -795,4 +845,3 @@ def plan(
         minimum_bytes=minimum,
         plan=smallest,
     )
-

@@ -50,10 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_type = raw.pop("model_type")
     config = AutoConfig.for_model(model_type, **raw)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers leaves it untyped
     mp = None
     if ns.mixed_precision is not None:
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[ns.mixed_precision], reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(
+            param_dtype=_DTYPES[ns.mixed_precision], reduce_dtype=torch.float32
+        )
     tokens = torch.zeros(ns.batch, ns.seq, dtype=torch.long, device="meta")
     from ..errors import PlanInfeasibleError
 
@@ -65,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             example_inputs={"input_ids": tokens, "labels": tokens, "use_cache": False},
             mp_policy=mp,
             optimizer=ns.optimizer,
-            allow=tuple(a for a in ns.allow.split(",") if a),  # type: ignore[arg-type]  # checked by plan()
+            allow=tuple(a for a in ns.allow.split(",") if a),
         )
     except PlanInfeasibleError as e:
         print(e, file=sys.stderr)

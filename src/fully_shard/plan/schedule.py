@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .activations import Item, Mark, Span, Trace
+from .activations import Mark, Span, Trace
 
 CATEGORIES = (
     "parameters",
@@ -222,7 +222,11 @@ def simulate(
     for item in model.plain.items:
         if isinstance(item, Mark) and item.kind == "fwd_start" and item.group not in forward_order:
             forward_order.append(item.group)
-        if isinstance(item, Mark) and item.kind == "fwd_end" and item.group not in post_forward_order:
+        if (
+            isinstance(item, Mark)
+            and item.kind == "fwd_end"
+            and item.group not in post_forward_order
+        ):
             post_forward_order.append(item.group)
 
     def reshard_flag(g: int) -> bool | int:
