@@ -455,6 +455,9 @@ def _quant_bytes(
 @dataclass(frozen=True)
 class _Setup:
     model: Model
+    # per group, on rank 0: (gathered bytes, reduce-scatter input bytes, shard bytes,
+    # gradient shard bytes), summed once for the cost of every candidate
+    group_sums: tuple[tuple[int, int, int, int], ...]
     labels: tuple[str, ...]
     numels: tuple[int, ...]
     world: int
@@ -501,28 +504,9 @@ def _cost(s: _Setup, c: Choice, costs: StepCosts) -> tuple[float, int, int]:
     sent = 0.0
     host = 0.0
     for g in range(m.n_groups):
-        ps = [p for p in m.params if p.group == g]
-        if not ps:
+        gathered, padded, shards, grads = s.group_sums[g]
+        if not gathered:
             continue
-        padded = 0
-        gathered = 0
-        grads = 0
-        shards = 0
-        for i, p in enumerate(m.params):
-            if p.group != g:
-                continue
-            d0, rest = p.rows_rest()
-            chunk = math.ceil(d0 / world)
-            n = chunk * rest
-            gathered += (
-                world * n * p.compute_itemsize
-                if p.wire_bytes_per_row is None
-                else world * p.wire_bytes_per_row
-            )
-            shards += min(chunk, d0) * rest * p.orig_itemsize
-            if i in tr.params_with_grad:
-                padded += world * n * p.reduce_itemsize
-                grads += min(chunk, d0) * rest * p.orig_itemsize
         gathers = 1.0 * frac
         flag = c.reshard[g]
         regathered = tr.outputs_need_grad[g]
@@ -810,8 +794,20 @@ def plan(
     ]:
         ckpt = None  # the checkpointed run took another path: do not compose from it
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
+    for i, info in enumerate(infos):
+        d0, rest = info.rows_rest()
+        chunk = math.ceil(d0 / world)
+        wire = info.wire_bytes_per_row
+        acc = sums[info.group]
+        acc[0] += world * (chunk * rest * info.compute_itemsize if wire is None else wire)
+        acc[2] += min(chunk, d0) * rest * info.orig_itemsize
+        if i in plain.params_with_grad:
+            acc[1] += world * chunk * rest * info.reduce_itemsize
+            acc[3] += min(chunk, d0) * rest * info.orig_itemsize
     setup = _Setup(
         Model(tuple(infos), len(blocks) + 1, plain, ckpt, buffers, state_of, adam),
+        tuple((a, b, c, d) for a, b, c, d in sums),
         ("(root)", *block_names),
         tuple(p.numel() for p in params_orig),
         world,
