@@ -18,9 +18,11 @@ from .errors import (
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
+    PlanInfeasibleError,
 )
 from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .plan import Plan, plan
 from .policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -50,6 +52,8 @@ __all__ = [
     "HSDPMeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Plan",
+    "PlanInfeasibleError",
     "QuantizationPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
@@ -57,6 +61,7 @@ __all__ = [
     "UnshardHandle",
     "debug",
     "fully_shard",
+    "plan",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",

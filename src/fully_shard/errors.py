@@ -134,3 +134,25 @@ class FullyShardDesyncError(FullyShardError, RuntimeError):
         ...         print(e)  # which module and which call diverged, on every rank
         ...         model.reset_iter_state()
     """
+
+
+class PlanInfeasibleError(FullyShardValueError):
+    """No configuration :func:`fully_shard.plan` may choose fits the memory budget.
+
+    Attributes:
+        minimum_bytes: the smallest predicted peak per rank of any allowed configuration.
+        plan: that configuration, as a :class:`~fully_shard.plan.Plan` (its table says what
+            bound the peak).
+
+    Example:
+        >>> from fully_shard import PlanInfeasibleError, plan
+        >>> try:  # doctest: +SKIP
+        ...     plan(model, budget="1GiB", world_size=8, example_inputs=(tokens,))
+        ... except PlanInfeasibleError as e:
+        ...     print(e.minimum_bytes, e.plan)
+    """
+
+    def __init__(self, message: str, *, minimum_bytes: int, plan: object) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+        self.plan = plan

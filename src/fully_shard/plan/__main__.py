@@ -1,0 +1,81 @@
+"""``python -m fully_shard.plan``: plan a Hugging Face causal LM from its config file.
+
+    python -m fully_shard.plan --config config.json --world-size 64 --budget 80GiB \\
+        --batch 1 --seq 4096 --mixed-precision bf16
+
+Builds the model on the meta device with ``transformers`` (no weights are read or allocated),
+plans one training step of ``--batch`` sequences of ``--seq`` tokens per rank with the
+model's own loss (``labels=``), and prints the plan's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from ..policies import MixedPrecisionPolicy
+from . import plan
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the arguments, plan, print; return the exit status (1: infeasible).
+
+    Example:
+        >>> main(["--config", "config.json", "--world-size", "8", "--budget", "40GiB",
+        ...       "--batch", "1", "--seq", "2048"])  # doctest: +SKIP
+        0
+    """
+    parser = argparse.ArgumentParser(prog="python -m fully_shard.plan", description=__doc__)
+    parser.add_argument("--config", required=True, help="a Hugging Face config.json")
+    parser.add_argument("--world-size", type=int, required=True, help="shard ranks")
+    parser.add_argument("--budget", required=True, help="memory per rank, e.g. 80GiB")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    parser.add_argument("--mixed-precision", choices=sorted(_DTYPES), default=None)
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
+    parser.add_argument(
+        "--allow", default="reshard,checkpoint,offload", help="options the planner may change"
+    )
+    ns = parser.parse_args(argv)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(ns.config) as f:
+        raw = json.load(f)
+    model_type = raw.pop("model_type")
+    config = AutoConfig.for_model(model_type, **raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    mp = None
+    if ns.mixed_precision is not None:
+        mp = MixedPrecisionPolicy(
+            param_dtype=_DTYPES[ns.mixed_precision], reduce_dtype=torch.float32
+        )
+    tokens = torch.zeros(ns.batch, ns.seq, dtype=torch.long, device="meta")
+    from ..errors import PlanInfeasibleError
+
+    try:
+        result = plan(
+            model,
+            budget=ns.budget,
+            world_size=ns.world_size,
+            example_inputs={"input_ids": tokens, "labels": tokens, "use_cache": False},
+            mp_policy=mp,
+            optimizer=ns.optimizer,
+            allow=tuple(a for a in ns.allow.split(",") if a),
+        )
+    except PlanInfeasibleError as e:
+        print(e, file=sys.stderr)
+        print(e.plan, file=sys.stderr)
+        return 1
+    print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,392 @@
+"""Replay one training step of the engine, byte by byte, for one rank and one configuration.
+
+The engine's memory follows from a few rules (``hooks.py``, ``group.py``, ``param.py``),
+which :func:`simulate` walks through in the order a step meets them, on a ledger of live bytes
+per category. The activations between the engine's hook points come from a measured
+:class:`~fully_shard.plan.activations.Trace`; everything else is counted here:
+
+==========================  ============================================================
+sharded parameters          ``local_rows * rest`` per parameter (``ShardLayout``), always
+gather buffer               ``W * sum(padded shard)`` in the all-gather dtype, from the
+                            group's unshard (or prefetch) to its copy-out
+unsharded parameters        ``W * chunk * rest`` per parameter (the padded storage) in the
+                            compute dtype, from copy-out to reshard
+post-forward piece          ``reshard_after_forward=n``: this rank's rows of an n-rank split,
+                            from the end of forward to the backward gather's copy-out
+unsharded gradients         measured in the trace, from the group's backward to its
+                            post-backward (packed, then freed)
+reduce-scatter buffers      ``W * total`` in + ``total`` out (reduce dtype), from the
+                            post-backward until the next group's post-backward finishes it
+sharded gradients           the ``total`` output itself (``.grad`` views it when the reduce
+                            dtype is the parameter dtype) or a copy, until ``zero_grad``
+optimizer state             per trainable parameter, from the first step on
+optimizer temporaries       AdamW's ``sqrt`` and divide on the largest shard
+==========================  ============================================================
+
+Prefetching is the engine's implicit one: a group starting its forward issues the next
+group's gather; a group starting its backward, the group whose forward ended before its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .activations import Mark, Span, Trace
+
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "gathered",
+    "reduce buffers",
+    "activations",
+    "unsharded gradients",
+    "inputs and buffers",
+)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the planner sees it (no tensor)."""
+
+    shape: tuple[int, ...]
+    orig_itemsize: int
+    compute_itemsize: int
+    reduce_itemsize: int
+    wire_bytes_per_row: int | None  # int8 gathers: bytes per padded shard (None: plain)
+    trainable: bool
+    group: int
+
+    def rows_rest(self) -> tuple[int, int]:
+        if not self.shape:
+            return 1, 1
+        return self.shape[0], math.prod(self.shape[1:])
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the simulator needs of a model: parameters by group, measured traces."""
+
+    params: tuple[ParamInfo, ...]
+    n_groups: int  # root + blocks
+    plain: Trace
+    checkpointed: Trace | None
+    buffer_bytes: int
+    # optimizer state bytes of one parameter from its local shard's (numel, itemsize)
+    optimizer_state: Callable[[int, int], int]
+    adam_temporaries: bool
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One configuration: per group (0: the root) its ``reshard_after_forward`` and
+    checkpointing, and whether sharded state is offloaded to the host."""
+
+    reshard: tuple[bool | int, ...]
+    checkpoint: tuple[bool, ...]
+    offload: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one replay.
+
+    Attributes:
+        peak: device bytes at the highest point.
+        host_peak: host bytes at their highest point with offload (0 without).
+        where: the phase and group of the device peak.
+        breakdown: bytes per category at the device peak, in ``CATEGORIES`` order.
+    """
+
+    peak: int
+    host_peak: int
+    where: str
+    breakdown: tuple[int, ...]
+
+
+@dataclass
+class _Ledger:
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    peak: int = -1
+    where: str = ""
+    breakdown: tuple[int, ...] = ()
+    phase: str = ""
+    host: int = 0
+    host_peak: int = 0
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def check(self, extra: int = 0, extra_kind: str = "activations") -> None:
+        total = self.total() + extra
+        if total > self.peak:
+            self.peak, self.where = total, self.phase
+            snap = dict(self.bytes)
+            snap[extra_kind] += extra
+            self.breakdown = tuple(snap[c] for c in CATEGORIES)
+
+    def add(self, kind: str, n: int) -> None:
+        self.bytes[kind] += n
+        if n > 0:
+            self.check()
+
+    def add_host(self, n: int) -> None:
+        self.host += n
+        self.host_peak = max(self.host_peak, self.host)
+
+
+def _layout(p: ParamInfo, world: int, rank: int) -> tuple[int, int, int]:
+    """(chunk, local_rows, rest) of ``p`` split over ``world`` ranks (``ShardLayout``)."""
+    d0, rest = p.rows_rest()
+    chunk = math.ceil(d0 / world)
+    offset = min(rank * chunk, d0)
+    local = max(0, min(offset + chunk, d0) - offset)
+    return chunk, local, rest
+
+
+@dataclass
+class _Group:
+    params: list[int]
+    state: str = "sharded"  # sharded | unsharding | unsharded
+    phase: str = "idle"  # idle | forward | pre_backward | post_backward
+    ran_forward: bool = False
+    gather: int = 0  # gather buffer bytes in flight
+    piece: int = 0  # post-forward piece bytes
+    unsharded: int = 0
+
+
+def simulate(
+    model: Model,
+    choice: Choice,
+    world: int,
+    rank: int,
+    labels: Sequence[str],
+    device_is_host: bool,
+) -> Outcome:
+    """Replay one step (after the first) on rank ``rank`` of ``world``; see the module doc."""
+    params = model.params
+    ng = model.n_groups
+    lay = [_layout(p, world, rank) for p in params]
+    offload = choice.offload and not device_is_host
+    with_grad = model.plain.params_with_grad
+    led = _Ledger()
+    groups = [_Group([i for i, p in enumerate(params) if p.group == g]) for g in range(ng)]
+
+    def local_bytes(i: int) -> int:
+        _, local, rest = lay[i]
+        return local * rest * params[i].orig_itemsize
+
+    def padded(i: int) -> int:
+        chunk, _, rest = lay[i]
+        return chunk * rest
+
+    def unsharded_bytes(g: int) -> int:
+        return sum(world * padded(i) * params[i].compute_itemsize for i in groups[g].params)
+
+    def gather_bytes(g: int) -> int:
+        total = 0
+        for i in groups[g].params:
+            wire = params[i].wire_bytes_per_row
+            total += padded(i) * params[i].compute_itemsize if wire is None else wire
+        return world * total
+
+    def piece_bytes(g: int, n: int) -> int:
+        total = 0
+        for i in groups[g].params:
+            chunk, _, rest = lay[i]
+            d0, _ = params[i].rows_rest()
+            big = chunk * (world // n)  # ShardLayout.regrouped(n, rank % n)
+            offset = min((rank % n) * big, d0)
+            rows = max(0, min(offset + big, d0) - offset)
+            total += rows * rest * params[i].compute_itemsize
+        return total
+
+    # Persistent: shards, optimizer state, inputs and buffers.
+    shards = sum(local_bytes(i) for i in range(len(params)))
+    opt = sum(
+        model.optimizer_state(lay[i][1] * lay[i][2], params[i].orig_itemsize) for i in with_grad
+    )
+    if offload:
+        led.add_host(shards + opt)
+    else:
+        led.add("parameters", shards)
+        led.add("optimizer", opt)
+    led.add("inputs and buffers", model.plain.input_bytes + model.buffer_bytes)
+
+    reducing: list[tuple[int, int, int, int, int]] = []  # (g, in, out, grad_dev, grad_host)
+    grads_live = [0] * ng
+    forward_order: list[int] = []
+    post_forward_order: list[int] = []
+    for item in model.plain.items:
+        if isinstance(item, Mark) and item.kind == "fwd_start" and item.group not in forward_order:
+            forward_order.append(item.group)
+        if (
+            isinstance(item, Mark)
+            and item.kind == "fwd_end"
+            and item.group not in post_forward_order
+        ):
+            post_forward_order.append(item.group)
+
+    def reshard_flag(g: int) -> bool | int:
+        return choice.reshard[g]
+
+    def unshard(g: int) -> None:
+        grp = groups[g]
+        if grp.state != "sharded" or not grp.params:
+            return
+        grp.gather = gather_bytes(g)
+        led.add("gathered", grp.gather)
+        grp.state = "unsharding"
+
+    def wait(g: int) -> None:
+        grp = groups[g]
+        if grp.state == "sharded" and not grp.params:
+            grp.state = "unsharded"
+        if grp.state != "unsharding":
+            return
+        grp.unsharded = unsharded_bytes(g)
+        led.add("gathered", grp.unsharded)  # copy-out: buffer and storage both live
+        led.add("gathered", -grp.gather - grp.piece)
+        grp.gather, grp.piece = 0, 0
+        grp.state = "unsharded"
+
+    def reshard(g: int) -> None:
+        grp = groups[g]
+        if grp.state == "sharded":
+            led.add("gathered", -grp.piece)
+            grp.piece = 0
+            return
+        if grp.state == "unsharding":
+            wait(g)
+        led.add("gathered", -grp.unsharded)
+        grp.unsharded = 0
+        grp.state = "sharded"
+
+    def unshard_now(g: int) -> None:
+        unshard(g)
+        wait(g)
+
+    def prefetch(targets: list[int], backward: bool) -> None:
+        for t in targets:
+            grp = groups[t]
+            if grp.state != "sharded" or not grp.params or grp.phase != "idle":
+                continue
+            if backward and not grp.ran_forward:
+                continue
+            if not backward and grp.ran_forward:
+                continue
+            unshard(t)
+
+    def next_forward(g: int) -> list[int]:
+        i = forward_order.index(g)
+        return forward_order[i + 1 : i + 2]
+
+    def next_backward(g: int) -> list[int]:
+        i = post_forward_order.index(g)
+        return post_forward_order[i - 1 : i] if i > 0 else []
+
+    def finish_reduce(entry: tuple[int, int, int, int, int]) -> None:
+        _, flat_in, out, grad_dev, grad_host = entry
+        led.add("gradients", grad_dev)
+        if offload:
+            led.add_host(grad_host)
+        led.add("reduce buffers", -flat_in - out)
+
+    def reduce_grads(g: int) -> None:
+        packed = [i for i in groups[g].params if i in with_grad]
+        if not packed:
+            return
+        red = params[packed[0]].reduce_itemsize
+        total = sum(padded(i) for i in packed)
+        flat_in, out = world * total * red, total * red
+        led.add("reduce buffers", flat_in)
+        led.add("unsharded gradients", -grads_live[g])
+        grads_live[g] = 0
+        led.add("reduce buffers", out)
+        # The sharded .grad is a view of `out` when no cast or move is needed: `out` stays.
+        alias = [i for i in packed if params[i].orig_itemsize == red and not offload]
+        copies = [i for i in packed if i not in alias]
+        grad_dev = (out if alias else 0) + (0 if offload else sum(map(local_bytes, copies)))
+        grad_host = sum(map(local_bytes, packed)) if offload else 0
+        reducing.append((g, flat_in, out, grad_dev, grad_host))
+
+    def post_backward(g: int) -> None:
+        grp = groups[g]
+        grp.phase = "post_backward"
+        led.phase = f"post-backward of {labels[g]}"
+        while reducing:
+            finish_reduce(reducing.pop(0))
+        reduce_grads(g)
+        reshard(g)
+
+    def span_of(item: Span, k: int) -> Span:
+        owner = item.owner
+        if owner and choice.checkpoint[owner] and model.checkpointed is not None:
+            other = model.checkpointed.items[k]
+            if isinstance(other, Span):
+                return other
+        return item
+
+    for k, item in enumerate(model.plain.items):
+        if isinstance(item, Span):
+            span = span_of(item, k)
+            led.check(span.peak)
+            led.add("activations", span.delta)
+            for g, n in span.grads:
+                grads_live[g] += n
+                led.add("unsharded gradients", n)
+            continue
+        g, kind = item.group, item.kind
+        grp = groups[g]
+        if kind == "fwd_start":
+            led.phase = f"forward of {labels[g]}"
+            grp.phase, grp.ran_forward = "forward", True
+            unshard_now(g)
+            prefetch(next_forward(g), backward=False)
+        elif kind == "fwd_end":
+            grp.phase = "idle"
+            flag = reshard_flag(g)
+            needs_grad = model.plain.outputs_need_grad[g]
+            if flag is True or not needs_grad:
+                reshard(g)
+            elif isinstance(flag, int) and not isinstance(flag, bool) and grp.state == "unsharded":
+                grp.piece = piece_bytes(g, flag)
+                led.add("gathered", grp.piece)
+                led.add("gathered", -grp.unsharded)
+                grp.unsharded, grp.state = 0, "sharded"
+            led.phase = f"after forward of {labels[g]}"
+        elif kind == "loss":
+            led.phase = "loss"
+        elif kind == "bwd_start":
+            if grp.phase != "pre_backward":
+                led.phase = f"backward of {labels[g]}"
+                grp.phase = "pre_backward"
+                unshard_now(g)
+                prefetch(next_backward(g), backward=True)
+        elif kind == "bwd_end":
+            if grp.phase == "pre_backward":
+                post_backward(g)
+        elif kind == "backward_end":
+            led.phase = "end of backward"
+            for s in reversed(range(ng)):
+                st = groups[s]
+                if st.phase == "pre_backward" or (st.ran_forward and st.phase != "post_backward"):
+                    post_backward(s)
+            while reducing:
+                finish_reduce(reducing.pop(0))
+            for s in range(ng):
+                reshard(s)
+    # Optimizer step: shards, gradients and state are all there; AdamW's sqrt and divide
+    # make two temporaries the size of the largest shard.
+    led.phase = "optimizer step"
+    temp = 0
+    if model.adam_temporaries:
+        temp = 2 * max((local_bytes(i) for i in with_grad), default=0)
+    if offload:
+        led.add_host(temp)
+        led.add_host(-temp)
+    else:
+        led.check(temp, "optimizer")
+    return Outcome(led.peak, led.host_peak, led.where, led.breakdown)

@@ -1,0 +1,426 @@
+"""fully_shard.plan: predicted peak vs MemTracker's measurement, the choice, the errors, the CLI.
+
+The yardstick is ``torch.distributed._tools.mem_tracker.MemTracker`` on CPU: every rank runs
+two training steps (forward, backward, AdamW step, ``zero_grad``) of the planned model under
+it; the peak over both steps is the second step's (the first holds no optimizer state and
+does not prefetch). MemTracker hooks the gradient of every parameter of every module it sees
+run, and refuses frozen ones; :class:`_Tracker` turns those hooks off, which only changes how
+it labels gradients, not what it counts.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from fully_shard import (
+    FullyShardTypeError,
+    FullyShardValueError,
+    MixedPrecisionPolicy,
+    PlanInfeasibleError,
+    fully_shard,
+    plan,
+)
+from fully_shard.plan import CheckpointedBlock, Plan, parse_bytes
+from harness import mesh_1d, run_distributed
+from models import ModelArgs, Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.10  # the issue's bar: prediction within 10% of the measurement
+
+
+class _Tracker(MemTracker):
+    """MemTracker without its per-parameter gradient hooks (which refuse frozen parameters)."""
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+def loss_fn(out: Tensor) -> Tensor:
+    """Cross-entropy against class 0, built on the output's device (meta-safe)."""
+    target = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+    return F.cross_entropy(out.float().flatten(0, -2), target.flatten())
+
+
+def _build(spec: dict[str, Any]) -> Transformer:
+    torch.manual_seed(0)
+    args = ModelArgs(
+        vocab_size=spec["vocab"],
+        dim=spec["dim"],
+        n_layers=spec["layers"],
+        n_heads=2,
+        ffn_hidden=spec["ffn"],
+        max_seq_len=16,
+        tie_embeddings=spec["tie"],
+    )
+    model = Transformer(args)
+    if spec["frozen"] == "embedding":
+        model.tok_embeddings.requires_grad_(False)
+    elif spec["frozen"] == "block":
+        model.layers[0].requires_grad_(False)
+    return model
+
+
+def _tokens(spec: dict[str, Any], step: int) -> Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randint(0, spec["vocab"], (spec["batch"], 16), generator=gen)
+
+
+def _mp(spec: dict[str, Any]) -> MixedPrecisionPolicy | None:
+    if not spec["mp"]:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _plan(spec: dict[str, Any], budget: int | str, **kw: Any) -> Plan:
+    return plan(
+        _build(spec),
+        budget=budget,
+        example_inputs=(_tokens(spec, 0),),
+        mesh=mesh_1d(),
+        mp_policy=_mp(spec),
+        loss_fn=loss_fn,
+        **kw,
+    )
+
+
+def _train(model: nn.Module, spec: dict[str, Any], steps: int) -> list[float]:
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = loss_fn(model(_tokens(spec, step)))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _budget_between(spec: dict[str, Any], where: float) -> int:
+    """A budget ``where`` of the way from the feasible minimum to the unconstrained peak."""
+    try:
+        _plan(spec, 1)
+    except PlanInfeasibleError as e:
+        low = e.minimum_bytes
+    high = _plan(spec, "1TiB").peak_bytes
+    return int(low + where * (high - low))
+
+
+def _measure(spec: dict[str, Any], where: float) -> tuple[int, int, int, str]:
+    """On each rank: (predicted peak, measured peak, budget, the plan's table)."""
+    budget = _budget_between(spec, where)
+    p = _plan(spec, budget)
+    model = p.apply(_build(spec), mesh_1d())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tracker = _Tracker()
+    tracker.track_external(model)
+    with tracker:
+        for step in range(2):
+            loss = loss_fn(model(_tokens(spec, step)))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            del loss
+            tracker.reset_mod_stats()  # MemTracker keeps one iteration's module stats
+    measured = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    return p.rank_peaks[dist.get_rank()], measured, budget, str(p)
+
+
+specs = st.fixed_dictionaries(
+    {
+        "vocab": st.sampled_from([16, 37]),
+        "dim": st.sampled_from([8, 12, 16]),
+        "layers": st.integers(1, 3),
+        "ffn": st.sampled_from([8, 21, 40]),
+        "tie": st.booleans(),
+        "frozen": st.sampled_from(["none", "embedding", "block"]),
+        "mp": st.booleans(),
+        "batch": st.sampled_from([1, 4]),
+    }
+)
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking re-runs ranks for minutes
+)
+@given(spec=specs, world=st.integers(1, 4), where=st.floats(0.0, 1.0))
+def test_predicted_peak_matches_memtracker_and_fits(
+    spec: dict[str, Any], world: int, where: float
+) -> None:
+    for predicted, measured, budget, table in run_distributed(
+        _measure, world, spec, where, timeout=120
+    ):
+        assert abs(predicted - measured) <= TOLERANCE * measured, (
+            f"predicted {predicted}, measured {measured}\n{table}"
+        )
+        assert measured <= budget, f"measured {measured} > budget {budget}\n{table}"
+
+
+def _hand_vs_plan(spec: dict[str, Any]) -> tuple[list[float], list[float], bool, bool]:
+    """Train the planned model and the same configuration written by hand; compare."""
+    budget = _budget_between(spec, 0.3)
+    p = _plan(spec, budget)
+    mesh = mesh_1d()
+    planned = p.apply(_build(spec), mesh)
+    by_hand = _build(spec)
+    options: dict[str, Any] = {"mesh": mesh, "offload_policy": p.offload_policy()}
+    if _mp(spec) is not None:
+        options["mp_policy"] = _mp(spec)
+    for g in p.groups:
+        if not g.fqn:
+            continue
+        index = int(g.fqn.split(".")[1])
+        block: nn.Module = by_hand.layers[index]
+        if g.checkpoint:
+            block = CheckpointedBlock(block)
+            by_hand.layers[index] = block
+        fully_shard(block, reshard_after_forward=g.reshard_after_forward, **options)
+    fully_shard(by_hand, reshard_after_forward=False, **options)
+    a, b = _train(planned, spec, 3), _train(by_hand, spec, 3)
+    same = all(
+        torch.equal(x.full_tensor(), y.full_tensor())  # type: ignore[attr-defined]
+        for x, y in zip(planned.parameters(), by_hand.parameters(), strict=True)
+    )
+    return a, b, same, any(g.checkpoint for g in p.groups)
+
+
+def test_apply_trains_exactly_like_the_same_calls_by_hand() -> None:
+    spec = {"vocab": 37, "dim": 16, "layers": 3, "ffn": 40, "tie": False, "frozen": "none"}
+    spec |= {"mp": False, "batch": 4}
+    for a, b, same, _ in run_distributed(_hand_vs_plan, 2, spec):
+        assert a == b
+        assert same
+
+
+def _choices(spec: dict[str, Any]) -> list[tuple[int, float, float | None, float | None]]:
+    out = []
+    for where in (0.0, 0.5, 1.0):
+        budget = _budget_between(spec, where)
+        chosen = _plan(spec, budget)
+        simpler = []
+        for allow in ((), ("reshard",)):
+            try:
+                simpler.append(_plan(spec, budget, allow=allow).step_cost)
+            except PlanInfeasibleError:
+                simpler.append(None)
+        out.append((budget, chosen.step_cost, simpler[0], simpler[1]))
+    return out
+
+
+def test_chosen_configuration_never_costs_more_than_a_simpler_one_that_fits() -> None:
+    spec = {"vocab": 37, "dim": 16, "layers": 3, "ffn": 40, "tie": True, "frozen": "none"}
+    spec |= {"mp": False, "batch": 4}
+    rows = run_distributed(_choices, 2, spec)[0]
+    for _, chosen, default, reshard_only in rows:
+        for other in (default, reshard_only):
+            if other is not None:
+                assert chosen <= other
+    # Unconstrained, it keeps every block gathered: the cheapest of all.
+    assert rows[-1][1] <= min(c for _, c, _, _ in rows)
+
+
+def _infeasible(spec: dict[str, Any]) -> tuple[int, int, int]:
+    try:
+        _plan(spec, 1)
+    except PlanInfeasibleError as e:
+        minimum = e.minimum_bytes
+        assert isinstance(e.plan, Plan) and e.plan.peak_bytes == minimum
+    with pytest.raises(PlanInfeasibleError) as info:
+        _plan(spec, minimum - 1)
+    at_minimum = _plan(spec, minimum)
+    return minimum, info.value.minimum_bytes, at_minimum.peak_bytes
+
+
+def test_infeasible_budget_raises_with_the_minimum_that_fits() -> None:
+    spec = {"vocab": 16, "dim": 8, "layers": 2, "ffn": 21, "tie": False, "frozen": "embedding"}
+    spec |= {"mp": True, "batch": 4}
+    minimum, raised, peak = run_distributed(_infeasible, 2, spec)[0]
+    assert raised == minimum  # one byte less than the minimum: infeasible, same minimum
+    assert peak == minimum  # the minimum itself: feasible, and that is its peak
+
+
+def _mesh_disagrees() -> str:
+    spec = {"vocab": 16, "dim": 8, "layers": 1, "ffn": 8, "tie": False, "frozen": "none"}
+    spec |= {"mp": False, "batch": 1}
+    with pytest.raises(FullyShardValueError) as info:
+        _plan(spec, "1GiB", world_size=3)
+    return str(info.value)
+
+
+def test_world_size_disagreeing_with_the_mesh_is_refused() -> None:
+    assert "world_size=3 disagrees with the mesh" in run_distributed(_mesh_disagrees, 2)[0]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"budget": -5}, FullyShardValueError, "budget must be positive"),
+        ({"budget": "lots"}, FullyShardValueError, "is not a size"),
+        ({"budget": 1.5}, FullyShardTypeError, "budget must be an int"),
+        ({"world_size": 0}, FullyShardValueError, "world_size must be a positive int"),
+        ({"world_size": None}, FullyShardValueError, "needs mesh= "),
+        ({"allow": ("wrap",)}, FullyShardValueError, "unknown options ['wrap']"),
+        ({"optimizer": "lion"}, FullyShardValueError, "optimizer='lion' is not a known layout"),
+        ({"example_inputs": (torch.zeros(2, 5),)}, FullyShardValueError, "did not run"),
+        ({"example_inputs": [1]}, FullyShardTypeError, "example_inputs must be a tuple"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_changes(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    call: dict[str, Any] = {
+        "budget": "1GiB",
+        "world_size": 2,
+        "example_inputs": (torch.zeros(2, 8),),
+    }
+    with pytest.raises(error) as info:
+        plan(model, **(call | kwargs))
+    assert message in str(info.value)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(type(m).__module__.startswith("torch") for m in model.modules())
+
+
+def _sharded_rank() -> str:
+    model = _model()
+    fully_shard(model, mesh=mesh_1d())
+    with pytest.raises(FullyShardValueError) as info:
+        plan(model, budget="1GiB", world_size=1, example_inputs=(torch.zeros(2, 8),))
+    return str(info.value)
+
+
+def test_sharded_model_is_refused() -> None:
+    assert "already sharded" in run_distributed(_sharded_rank, 1)[0]
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("20GiB") == 20 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes(1234) == 1234
+
+
+def test_budget_shrinking_gives_up_gathered_blocks_first_then_activations() -> None:
+    spec = {"vocab": 37, "dim": 16, "layers": 3, "ffn": 40, "tie": False, "frozen": "none"}
+    spec |= {"mp": False, "batch": 4}
+
+    model = _build(spec)
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    common: dict[str, Any] = {"world_size": 4, "example_inputs": (tokens,), "loss_fn": loss_fn}
+    roomy = plan(model, budget="1GiB", **common)
+    blocks = [g for g in roomy.groups if g.fqn]
+    assert all(g.reshard_after_forward is False and not g.checkpoint for g in blocks)
+    try:
+        plan(model, budget=1, **common)
+    except PlanInfeasibleError as e:
+        minimum = e.minimum_bytes
+    tight = plan(model, budget=minimum, **common)
+    assert tight.peak_bytes < roomy.peak_bytes
+    assert tight.step_cost > roomy.step_cost
+    assert any(g.checkpoint for g in tight.groups) or tight.offload
+
+
+def test_llama_8b_on_meta_plans_in_a_minute_without_allocating() -> None:
+    args = ModelArgs(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        max_seq_len=4096,
+    )
+    with torch.device("meta"):
+        model = Transformer(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params > 7e9
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tracemalloc.start()
+    start = time.perf_counter()
+    p = plan(
+        model,
+        budget="80GiB",
+        world_size=64,
+        example_inputs=(torch.zeros(1, 4096, dtype=torch.long, device="meta"),),
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        loss_fn=loss_fn,
+    )
+    elapsed = time.perf_counter() - start
+    _, traced_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    assert elapsed < 60
+    # The parameters alone are 30 GiB in fp32; planning holds a few hundred MiB at most.
+    assert traced_peak < 512 * 2**20
+    assert rss_growth < 1024 * 2**20
+    assert p.peak_bytes <= 80 * 2**30 and len(p.groups) == 33
+    assert sum(g.param_count for g in p.groups) == n_params
+
+
+def test_cli_plans_a_hugging_face_config(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    env_path = str(REPO / "src")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fully_shard.plan",
+            "--config",
+            str(path),
+            "--world-size",
+            "4",
+            "--budget",
+            "64MiB",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--mixed-precision",
+            "bf16",
+        ],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "model.layers.2" in run.stdout
+    assert "predicted peak" in run.stdout
