@@ -31,18 +31,11 @@ from typing import Any
 
 import torch
 from torch import nn
-
-# -- the private torch APIs the planner uses, here and nowhere else --------------------------
-# A dispatch mode is the only way to see every tensor an op creates (autograd's backward
-# ops included); torch's own memory tools (torch.distributed._tools.mem_tracker) are built
-# on it. Fake tensors rather than plain meta ones: a fake tensor keeps its device ("cpu"), so
-# ops pick that device's kernels (scaled_dot_product_attention saves a logsumexp on CPU,
-# but materializes the attention weights on meta: 20% more activation memory in a small
-# transformer). The FLOP formulas are torch's FlopCounterMode table. Run on torch 2.13.
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import flop_registry
+
+# The private torch APIs the planner uses (a dispatch mode, fake tensors, torch's FLOP table)
+# live in _compat with the others, with why and where they were run.
+from .._compat import FakeTensorMode, TorchDispatchMode, flop_registry
 
 MarkKind = str  # "fwd_start" | "fwd_end" | "bwd_start" | "bwd_end" | "backward_end"
 
