@@ -10,6 +10,8 @@ builds the same model from the same seed once per implementation:
   ``--wrap head`` also makes ``[norm, output]`` one group of its own (not resharded after
   forward) for both, so the head's gradients are reduced as soon as they are ready;
 * ``ddp``   -- ``torch.nn.parallel.DistributedDataParallel``;
+* ``plain`` (only with ``--nproc 1``) -- the model itself, no wrapper: the floor a one-rank
+  run of any of them is measured against;
 * ``ours-nogather`` (only when asked for) -- ours with every all-gather replaced by a local
   copy of the rank's own shard into each slot: no bytes move, the losses are wrong by design.
   A floor for the step time: what ours would take if all-gathers cost nothing.
@@ -69,7 +71,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import fully_shard as fs
 from fully_shard.quantize import int8_gather_nbytes
 
-IMPLS = ("ours", "ours-int8", "fsdp2", "ddp", "ours-nogather")
+IMPLS = ("ours", "ours-int8", "fsdp2", "ddp", "ours-nogather", "plain")
 DEFAULT_IMPLS = IMPLS[:4]
 OURS = ("ours", "ours-int8", "ours-nogather")
 ZERO3 = (*OURS, "fsdp2")
@@ -80,6 +82,7 @@ LABELS = {
     "fsdp2": "torch FSDP2",
     "ddp": "torch DDP",
     "ours-nogather": "ours, no-op gathers",
+    "plain": "unsharded, no wrapper",
 }
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
@@ -379,6 +382,9 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
             "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         )
         model = DistributedDataParallel(model, device_ids=device_ids, **{no_sync: False})
+    elif impl == "plain":
+        if dist.get_world_size() != 1:
+            raise ValueError("--impls plain trains without synchronisation: use --nproc 1")
     else:
         raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
     # foreach=None is torch's default: the per-tensor loop on CPU, the foreach kernels on CUDA.
@@ -776,6 +782,7 @@ def zero3_theory(
     policy = fs.QuantizationPolicy() if quantization is None else quantization
     model = Llama(cfg)
     groups = [(list(block.parameters()), 2) for block in model.layers]
+    sends = world > 1  # one rank: ours and torch's FSDP2 issue no collective at all
     if wrap == "head":
         groups.append(([*model.norm.parameters(), *model.output.parameters()], 1))
     owned = {id(p) for params, _ in groups for p in params}
@@ -784,11 +791,11 @@ def zero3_theory(
     for params, gathers in groups:
         for p in params:
             numel = math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0])
-            shard = numel * p.element_size()
+            shard = numel * p.element_size() * sends
             ag += shard * gathers
             rs += world * shard
             if policy.quantizes(p.shape, p.dtype, numel):
-                ag_int8 += int8_gather_nbytes(numel, policy.block_size) * gathers
+                ag_int8 += int8_gather_nbytes(numel, policy.block_size) * gathers * sends
             else:
                 ag_int8 += shard * gathers
     n_params = sum(p.numel() for p in model.parameters())
@@ -802,6 +809,13 @@ def zero3_theory(
         "params": n_params,
         "param_bytes": n_params * 4,
     }
+
+
+def _over(measured: int, theory: int) -> float:
+    """measured / theory; 1.0 when both are 0 (one rank: nothing due, nothing sent)."""
+    if theory == 0:
+        return 1.0 if measured == 0 else math.inf
+    return measured / theory
 
 
 def ring_wire_bytes(world: int, by_op: dict[str, int]) -> int:
@@ -867,8 +881,10 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
         if impl in ZERO3:
             ag_theory = theory["all_gather_int8" if impl == "ours-int8" else "all_gather"]
             rec["measured_over_theory"] = {
-                "all_gather": comm_bytes.get("all_gather", 0) / ag_theory,
-                "reduce_scatter": comm_bytes.get("reduce_scatter", 0) / theory["reduce_scatter"],
+                "all_gather": _over(comm_bytes.get("all_gather", 0), ag_theory),
+                "reduce_scatter": _over(
+                    comm_bytes.get("reduce_scatter", 0), theory["reduce_scatter"]
+                ),
             }
         impls[impl] = rec
     ratios: dict[str, Any] = {}
@@ -876,7 +892,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
         if mine not in impls:
             continue
         ours = impls[mine]
-        others = ("fsdp2", "ddp") if mine == "ours" else ("ours", "fsdp2", "ddp")
+        others = ("fsdp2", "ddp", "plain") if mine == "ours" else ("ours", "fsdp2", "ddp")
         for other in others:
             if other in impls:
                 ratios[f"{mine}/{other}"] = {

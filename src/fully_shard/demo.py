@@ -250,7 +250,7 @@ def expected_comm_bytes(
         reduce-scatter = sum_groups        sum_p W * c_p * r_p * reduce_bytes
 
     (its padded shard into every all-gather; the whole padded gradient into the
-    reduce-scatter). ``n_g`` is 2 for a block that reshards after forward (gathered again for
+    reduce-scatter). On one rank (``W = 1``) nothing is sent: the engine issues no collective. ``n_g`` is 2 for a block that reshards after forward (gathered again for
     backward) and 1 for the root, or for every group with ``--no-reshard``.
 
     With a ``quantization`` policy, a parameter it quantizes (asked for an fp32 master, the
@@ -268,6 +268,8 @@ def expected_comm_bytes(
         21
     """
     policy = QuantizationPolicy() if quantization is None else quantization
+    if world == 1:  # one rank: every collective is its own input, none is issued
+        return CommBytes(0, 0, 0, 0)
     ag = rs = values = scales = 0
     for shapes, gathers in groups:
         for s in shapes:
@@ -596,7 +598,12 @@ def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
         f"theory {expected.all_gather:>12,} B\n"
         f"  reduce-scatter  measured {measured.get('reduce_scatter', 0):>12,} B   "
         f"theory {expected.reduce_scatter:>12,} B\n"
-        "  theory: the padded shards, c = ceil(d0 / W) rows of each parameter (d0 rows of r "
+        + (
+            "  W = 1: one rank sends nothing, no collective is issued (the shard is the parameter)\n"
+            if world == 1
+            else ""
+        )
+        + "  theory: the padded shards, c = ceil(d0 / W) rows of each parameter (d0 rows of r "
         f"elements), W = {world}:\n"
         f"    all-gather     = {ag_formula}\n"
         f"    reduce-scatter = sum over all params of W * c * r * 4 B\n"

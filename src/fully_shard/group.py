@@ -299,12 +299,16 @@ class ParamGroup:
             )
             flat_in = output.narrow(0, rank * total, total)
             copy_in(flat_in, flat_inputs)
-        comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
-        work = issue_observed(
-            self,
-            CollectiveCall("all_gather", flat_in, group),
-            lambda: comm.all_gather(output, flat_in, group, async_op),
-        )
+        work: Waitable | None = None
+        if world > 1 or self.config.all_gather_comm is not None:
+            # One rank: the output is this rank's own input, so nothing is sent (and nothing
+            # is counted: W=1 moves no bytes). A user's AllGather is still called.
+            comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
+            work = issue_observed(
+                self,
+                CollectiveCall("all_gather", flat_in, group),
+                lambda: comm.all_gather(output, flat_in, group, async_op),
+            )
         self._gather = _PendingGather(work, output, world, inputs, sizes)
 
     def _pieces_usable(self) -> bool:
@@ -453,9 +457,16 @@ class ParamGroup:
                 pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
         params = [p for p, _ in packed]
         del grads, packed  # the unsharded gradients are in the buffer now: free them
+        rs = self._reduce_plan(reduce_dtype).reduce_scatter
+        if world == 1 and self.config.reduce_scatter_comm is None:
+            # One shard rank: the reduce-scatter's result is its input, divided as the op
+            # would; no collective (HSDP's all-reduce over the replicas still follows).
+            with torch.no_grad():
+                divide_(flat_in, rs.divisor(group_size=1))
+            self._pending_reduce = _PendingReduce(None, flat_in, flat_in, params, offsets)
+            return
         output = allocate_buffer(allocator, total, reduce_dtype, device)
         group = self.config.reduce_scatter_group or self.info.shard_group
-        rs = self._reduce_plan(reduce_dtype).reduce_scatter
         comm = self.comm
         if self.config.reduce_scatter_comm is not None:
             comm = UserReduceScatter(self.config.reduce_scatter_comm)  # type: ignore[assignment]  # only reduce_scatter is called

@@ -67,7 +67,7 @@ from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
 from .spmd import TPLayout, combined_placements
-from .storage import DenseStorage, UnshardedSide
+from .storage import DenseStorage, UnshardedSide, WholeShard
 
 
 def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
@@ -349,8 +349,24 @@ class ShardedParam:
                 check_extension_plan(own, self.fqn, self.shard_dim, self.tp is not None, None)
                 module = self.slots[0][0]
                 self.unsharded_side = SubclassGather(self.fqn, self.orig_size, module, self.info)
+        elif self._shard_is_unsharded():
+            if not isinstance(side, WholeShard):
+                self.unsharded_side = WholeShard()
         elif not isinstance(side, DenseStorage):
             self.unsharded_side = DenseStorage()
+
+    def _shard_is_unsharded(self) -> bool:
+        """One shard rank holds the whole parameter, in the dtype and on the device forward
+        computes with, and it travels plain: forward can use the shard's storage itself."""
+        local = self._local
+        return (
+            self.layout.world == 1
+            and self.tp is None
+            and local.device.type != "meta"
+            and local.device == self.info.device
+            and self.compute_dtype == local.dtype
+            and self.gather_format() is PLAIN
+        )
 
     def _dtensor_from_local(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows, on its own device: an offloaded shard stays on the CPU

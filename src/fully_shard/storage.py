@@ -11,11 +11,14 @@ hands its whole all-gather seam to it::
     free()             resize those bytes to 0                    free_storage
     allocated()        whether they are there now                 storage_allocated
 
-Two kinds exist:
+Three kinds exist:
 
 - :class:`DenseStorage`, every plain parameter: one padded tensor of the full shape in the
   compute dtype, written through the parameter's gather format (plain copy or int8
   dequantize, :mod:`fully_shard.quantize`); ``unsharded_param`` is a narrow view of it.
+- :class:`WholeShard`, a plain parameter whose shard is the whole tensor (one shard rank: W=1,
+  or HSDP with shard size 1) and already what forward computes with (its dtype, its device):
+  ``unsharded_param`` shares the shard's storage, so there is nothing to send, copy or free.
 - :class:`~fully_shard.extensions.SubclassGather`, a tensor subclass with
   ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: the subclass says what is sent and
   builds the unsharded tensor from the gathered outputs, which it keeps as its storage.
@@ -151,3 +154,48 @@ class DenseStorage:
 
     def allocated(self) -> bool:
         return self.storage is not None and self.storage.untyped_storage().size() > 0
+
+
+class WholeShard:
+    """The unsharded side of a parameter whose one shard rank holds all of it, as computed.
+
+    ``unsharded_param`` is a leaf over the local shard's own storage: the gather sends
+    nothing (its group then issues no collective), nothing is copied in or out, and freeing
+    frees nothing (the bytes are the shard's). The optimizer's in-place step on the shard is
+    what the next forward sees. Chosen by :meth:`ShardedParam._choose_unsharded_side` only
+    for a plain gather format in the shard's own dtype, on the compute device, without tensor
+    parallelism; a parameter that needs a cast, an offloaded shard or int8 keeps
+    :class:`DenseStorage` (its group still skips the one-rank collective).
+
+    Example:
+        >>> WholeShard().allocated(), WholeShard().destinations()
+        (True, [])
+    """
+
+    def inputs(
+        self, p: ShardedParam, piece: tuple[torch.Tensor, ShardLayout] | None
+    ) -> list[GatherInput]:
+        return []
+
+    def alloc(self, p: ShardedParam) -> None:
+        local = p.local_shard
+        param = p.unsharded_param
+        if param is None:
+            p.unsharded_param = nn.Parameter(local.detach(), requires_grad=p.requires_grad)
+        elif param.untyped_storage().data_ptr() != local.untyped_storage().data_ptr() or (
+            param.dtype != local.dtype or param.shape != local.shape
+        ):
+            # _apply replaced the shard (to_empty, to): the same Parameter object over it.
+            param.data = local.detach()
+
+    def destinations(self) -> list[torch.Tensor] | None:
+        return []
+
+    def finish(self, p: ShardedParam, blocks: list[torch.Tensor] | None) -> None:
+        return None
+
+    def free(self) -> None:
+        return None
+
+    def allocated(self) -> bool:
+        return True

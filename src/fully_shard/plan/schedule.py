@@ -23,6 +23,10 @@ optimizer state             per trainable parameter, from the first step on
 optimizer temporaries       AdamW's ``sqrt`` and divide on the largest shard
 ==========================  ============================================================
 
+One shard rank (W=1) is the engine's fast path: a plain parameter in its own dtype on the
+device uses its shard's storage (no gather buffer, no unsharded storage), and the
+reduce-scatter's input buffer is its result (no ``total`` output).
+
 Prefetching is the engine's implicit one: a group starting its forward issues the next
 group's gather; a group starting its backward, the group whose forward ended before its own.
 """
@@ -182,12 +186,23 @@ def simulate(
         chunk, _, rest = lay[i]
         return chunk * rest
 
+    def whole(i: int) -> bool:
+        # storage.WholeShard: one shard rank, plain, in its own dtype, on the device: forward
+        # uses the shard's storage, nothing is gathered or held besides it.
+        p = params[i]
+        plain = p.wire_bytes_per_row is None
+        return world == 1 and plain and p.compute_itemsize == p.orig_itemsize and not offload
+
     def unsharded_bytes(g: int) -> int:
-        return sum(world * padded(i) * params[i].compute_itemsize for i in groups[g].params)
+        return sum(
+            world * padded(i) * params[i].compute_itemsize for i in groups[g].params if not whole(i)
+        )
 
     def gather_bytes(g: int) -> int:
         total = 0
         for i in groups[g].params:
+            if whole(i):
+                continue
             wire = params[i].wire_bytes_per_row
             total += padded(i) * params[i].compute_itemsize if wire is None else wire
         return world * total
@@ -300,15 +315,17 @@ def simulate(
             return
         red = params[packed[0]].reduce_itemsize
         total = sum(padded(i) for i in packed)
-        flat_in, out = world * total * red, total * red
+        # One shard rank: no reduce-scatter, its input buffer is the result (group.py).
+        flat_in, out = world * total * red, (0 if world == 1 else total * red)
         led.add("reduce buffers", flat_in)
         led.add("unsharded gradients", -grads_live[g])
         grads_live[g] = 0
         led.add("reduce buffers", out)
-        # The sharded .grad is a view of `out` when no cast or move is needed: `out` stays.
+        # The sharded .grad is a view of the result when no cast or move is needed: it stays.
+        result = flat_in if world == 1 else out
         alias = [i for i in packed if params[i].orig_itemsize == red and not offload]
         copies = [i for i in packed if i not in alias]
-        grad_dev = (out if alias else 0) + (0 if offload else sum(map(local_bytes, copies)))
+        grad_dev = (result if alias else 0) + (0 if offload else sum(map(local_bytes, copies)))
         grad_host = sum(map(local_bytes, packed)) if offload else 0
         reducing.append((g, flat_in, out, grad_dev, grad_host))
 
