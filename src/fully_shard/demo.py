@@ -250,8 +250,9 @@ def expected_comm_bytes(
         reduce-scatter = sum_groups        sum_p W * c_p * r_p * reduce_bytes
 
     (its padded shard into every all-gather; the whole padded gradient into the
-    reduce-scatter). On one rank (``W = 1``) nothing is sent: the engine issues no collective. ``n_g`` is 2 for a block that reshards after forward (gathered again for
-    backward) and 1 for the root, or for every group with ``--no-reshard``.
+    reduce-scatter). ``n_g`` is 2 for a block that reshards after forward (gathered again for
+    backward) and 1 for the root, or for every group with ``--no-reshard``. On one rank
+    (``W = 1``) nothing is sent: the engine issues no collective.
 
     With a ``quantization`` policy, a parameter it quantizes (asked for an fp32 master, the
     demo's) sends ``n_p = c_p * r_p`` int8 values plus ``4 * ceil(n_p / block_size)`` bytes
@@ -599,7 +600,7 @@ def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
         f"  reduce-scatter  measured {measured.get('reduce_scatter', 0):>12,} B   "
         f"theory {expected.reduce_scatter:>12,} B\n"
         + (
-            "  W = 1: one rank sends nothing, no collective is issued (the shard is the parameter)\n"
+            "  W = 1: one rank sends nothing, no collective is issued (the shard is used)\n"
             if world == 1
             else ""
         )
