@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -753,34 +754,12 @@ def plan(
     in_dtype = mp.forward_input_dtype()
     loss = _default_loss if loss_fn is None else loss_fn
     try:
-        plain = run_trace(
-            replica,
-            blocks,
-            replica_params,
-            owners,
-            meta_args,
-            meta_kwargs,
-            loss,
-            False,
-            mode,
-            in_dtype,
+        trace = functools.partial(
+            run_trace, replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss
         )
-        ckpt = (
-            run_trace(
-                replica,
-                blocks,
-                replica_params,
-                owners,
-                meta_args,
-                meta_kwargs,
-                loss,
-                True,
-                mode,
-                in_dtype,
-            )
-            if "checkpoint" in allowed and blocks
-            else None
-        )
+        # Once plain, once with every block checkpointed; any mix is composed from the two.
+        plain = trace(False, mode, in_dtype)
+        ckpt = trace(True, mode, in_dtype) if "checkpoint" in allowed and blocks else None
     except FullyShardValueError:
         raise
     except Exception as e:
