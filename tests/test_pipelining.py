@@ -8,8 +8,9 @@ microbatches per step, 3 SGD steps. Every schedule class of torch 2.13 runs with
 ``test_zero_bubble_refuses_resharded_stages``), checked against
 
 - an unsharded model of all 8 blocks on the whole global batch (parameters after every step
-  within 1e-5: the schedule's gradients, scaled by the microbatch count, are the mean over the
-  dp ranks' batches); and
+  within 1e-6, so with SGD at lr 0.1 each step's gradients agree to 2e-5 at worst; 6e-8 was
+  seen: the schedule's gradients, scaled by the microbatch count, are the mean over the dp
+  ranks' batches); and
 - torch's ``fully_shard`` on the same stages: the same parameters and the same number of
   gradient reduce-scatters per step and rank, one per sharded group (not one per
   microbatch), because torch's schedules recognise ours as an FSDP2 module and turn gradient
@@ -190,7 +191,7 @@ def test_schedule_trains_like_unsharded_with_one_reduction_per_step(
     got = run_distributed(functools.partial(_both, schedule, reshard, 1), WORLD, timeout=180)
     for rank in got:
         ours, theirs = rank["ours"], rank["torch"]
-        assert max(ours["diffs"]) < 1e-5, ours["diffs"]
+        assert max(ours["diffs"]) < 1e-6, ours["diffs"]
         assert ours["reductions"] == [ours["groups"]] * 3  # one reduce-scatter per group
         assert ours["reductions"] == theirs["reductions"]
         assert ours["diffs"] == pytest.approx(theirs["diffs"], abs=1e-6)
@@ -201,7 +202,7 @@ def test_gradients_accumulate_across_schedule_steps(schedule: str) -> None:
     got = run_distributed(functools.partial(_both, schedule, False, 2), WORLD, timeout=180)
     for rank in got:
         ours = rank["ours"]
-        assert max(ours["diffs"]) < 1e-5, ours["diffs"]
+        assert max(ours["diffs"]) < 1e-6, ours["diffs"]
         assert ours["reductions"] == [ours["groups"]] * 6
         assert ours["reductions"] == rank["torch"]["reductions"]
 
