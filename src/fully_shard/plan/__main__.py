@@ -11,9 +11,11 @@ model's own loss (``labels=``), and prints the plan's table.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -43,14 +45,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--allow", default="reshard,checkpoint,offload", help="options the planner may change"
     )
     ns = parser.parse_args(argv)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        # Imported by name: an optional dependency (the `hf` extra), not needed to type-check.
+        transformers: Any = importlib.import_module("transformers")
+    except ImportError:
+        parser.error(
+            "the command line builds the model with transformers: pip install transformers"
+        )
 
     with open(ns.config) as f:
         raw = json.load(f)
     model_type = raw.pop("model_type")
-    config = AutoConfig.for_model(model_type, **raw)
+    config = transformers.AutoConfig.for_model(model_type, **raw)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        model = transformers.AutoModelForCausalLM.from_config(config)
     mp = None
     if ns.mixed_precision is not None:
         mp = MixedPrecisionPolicy(
