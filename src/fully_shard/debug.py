@@ -43,11 +43,10 @@ import torch.distributed as dist
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
 from .errors import FullyShardDesyncError, FullyShardStateError, FullyShardValueError
-from .observer import JOB_WIDE, CollectiveCall, SpanKind
+from .observer import JOB_WIDE, CollectiveCall, ObservedGroup, SpanKind
 
 if TYPE_CHECKING:
     from .collectives import Waitable
-    from .group import ParamGroup
 
 ENV_ON = "FULLY_SHARD_CHECK_COLLECTIVES"
 ENV_TIMEOUT = "FULLY_SHARD_CHECK_TIMEOUT"
@@ -130,14 +129,14 @@ class CollectiveChecker:
         self._rank = dist.get_rank()
         self._seq: dict[str, int] = {}  # per process group (its ranks, as a key)
 
-    def begin(self, group: ParamGroup, kind: SpanKind) -> None:
+    def begin(self, group: ObservedGroup, kind: SpanKind) -> None:
         pass
 
-    def end(self, group: ParamGroup, kind: SpanKind) -> None:
+    def end(self, group: ObservedGroup, kind: SpanKind) -> None:
         pass
 
     def collective(
-        self, group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
+        self, group: ObservedGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
     ) -> Waitable | None:
         self.check(group.label, call)
         return issue()

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,11 +61,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._compat import local_tensor
 from .collectives import GatherInput, typed_block
 from .errors import FullyShardNotImplementedError, FullyShardTypeError, FullyShardValueError
+from .layout import ParamView, ShardLayout
 from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy
-
-if TYPE_CHECKING:
-    from .param import ShardedParam, ShardLayout
 
 # How many arguments (after self) torch's fsdp_pre_all_gather takes: the old form (mesh) and
 # the current one (mesh, outer_size, outer_stride, module, mp_policy).
@@ -186,7 +184,7 @@ class SubclassGather:
         return self._mesh
 
     def inputs(
-        self, p: ShardedParam, piece: tuple[torch.Tensor, ShardLayout] | None
+        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
     ) -> list[GatherInput]:
         """Call the pre hook of this rank's rows and describe what it returned."""
         if piece is not None:
@@ -250,7 +248,7 @@ class SubclassGather:
             )
         return result[0], result[1]
 
-    def alloc(self, p: ShardedParam) -> None:
+    def alloc(self, p: ParamView) -> None:
         """Make the output buffers of the pending gather: resized back, or new if its input
         sizes or dtypes differ from the buffers'."""
         device = self.info.device
@@ -278,7 +276,7 @@ class SubclassGather:
         """``(W, numel_i)`` views of the output buffers, one per input, for the copy-out."""
         return [a.view(self._world, -1) for a in self._aliases]
 
-    def finish(self, p: ShardedParam, blocks: list[torch.Tensor] | None) -> None:
+    def finish(self, p: ParamView, blocks: list[torch.Tensor] | None) -> None:
         """Run the post hook on the gathered outputs (``blocks``: this parameter's ``(W, n_i)``
         column blocks of the group's buffer, or ``None`` when they were copied into
         :meth:`destinations` already). The first time, and after new output buffers, the

@@ -32,15 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-if TYPE_CHECKING:
-    from .collectives import Waitable
-    from .group import ParamGroup
+from .collectives import Waitable
 
 SpanKind = Literal[
     "forward",
@@ -85,6 +83,24 @@ class CollectiveCall:
         return self.input.numel() * self.input.element_size()
 
 
+class ObservedGroup(Protocol):
+    """What an observer is told of a group: its label, and the observers it tells.
+
+    ``ParamGroup`` is one; naming it through this protocol keeps ``observer.py`` below
+    ``group.py`` (a tool that needs more of the group, such as the trace, imports it itself).
+
+    Example:
+        >>> group.label, group.observers  # doctest: +SKIP
+        ('layers.0', (<fully_shard.observer.ProfilerLabels object at ...>,))
+    """
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def observers(self) -> tuple[Observer, ...]: ...
+
+
 class Observer(Protocol):
     """What the engine tells a tool. Every method is called on the rank's own thread.
 
@@ -92,16 +108,16 @@ class Observer(Protocol):
         >>> group.observers += (my_observer,)  # doctest: +SKIP
     """
 
-    def begin(self, group: ParamGroup, kind: SpanKind) -> None:
+    def begin(self, group: ObservedGroup, kind: SpanKind) -> None:
         """A span of ``kind`` starts for ``group``."""
         ...
 
-    def end(self, group: ParamGroup, kind: SpanKind) -> None:
+    def end(self, group: ObservedGroup, kind: SpanKind) -> None:
         """The span of ``kind`` ends for ``group`` (an end without a begin may come)."""
         ...
 
     def collective(
-        self, group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
+        self, group: ObservedGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
     ) -> Waitable | None:
         """Issue the collective by calling ``issue()`` and return its handle (or a wrapper).
 
@@ -129,7 +145,7 @@ class ProfilerLabels:
         # Open ranges by (group, kind): begin and end come from different hooks.
         self._open: dict[tuple[int, str], record_function] = {}
 
-    def begin(self, group: ParamGroup, kind: SpanKind) -> None:
+    def begin(self, group: ObservedGroup, kind: SpanKind) -> None:
         if kind in ("forward", "backward"):  # span user code: torch labels only its hooks
             return
         self.end(group, kind)  # one left open by an exception
@@ -137,13 +153,13 @@ class ProfilerLabels:
         rf.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self._open[(id(group), kind)] = rf
 
-    def end(self, group: ParamGroup, kind: SpanKind) -> None:
+    def end(self, group: ObservedGroup, kind: SpanKind) -> None:
         rf = self._open.pop((id(group), kind), None)
         if rf is not None:
             rf.__exit__(None, None, None)
 
     def collective(
-        self, group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
+        self, group: ObservedGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
     ) -> Waitable | None:
         with record_function(f"FSDP::{call.op} ({group.label})"):
             return issue()
@@ -170,7 +186,7 @@ JOB_WIDE = JobWideObservers()
 
 
 def issue_observed(
-    group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
+    group: ObservedGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
 ) -> Waitable | None:
     """Issue ``call`` through every observer of ``group`` (and the job-wide ones, outermost)."""
     observers = group.observers
@@ -183,6 +199,6 @@ def issue_observed(
 
 
 def _bind(
-    observer: Observer, group: ParamGroup, call: CollectiveCall, inner: Callable[[], Any]
+    observer: Observer, group: ObservedGroup, call: CollectiveCall, inner: Callable[[], Any]
 ) -> Callable[[], Waitable | None]:
     return lambda: observer.collective(group, call, inner)

@@ -25,8 +25,8 @@ Under ``reshard_after_forward=n`` one more tensor lives between forward and back
                                       split like the storage into n chunks of (W/n)*c rows;
                                       backward all-gathers these within the n-rank group
 
-The geometry of each split is one frozen :class:`ShardLayout` (W ranks; or n ranks for the
-post-forward piece), so the two splits are two objects of one kind.
+The geometry of each split is one frozen :class:`~fully_shard.layout.ShardLayout` (W ranks;
+or n ranks for the post-forward piece), so the two splits are two objects of one kind.
 
 The dtypes are read when they matter, never copied at construction: the sharded dtype is the
 local shard's (``model.to(torch.float64)`` changes it), the compute dtype is the policy's answer
@@ -52,8 +52,6 @@ TP mesh again (``DTensor.from_local`` of the storage view), which is what the TP
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -63,6 +61,7 @@ from torch.distributed.tensor import DTensor
 from ._compat import dtensor_from_spec, dtensor_spec, local_tensor, post_accumulate_grad_hooks
 from .collectives import GatherInput
 from .extensions import SubclassGather, check_extension_plan, has_extension
+from .layout import ShardLayout
 from .mesh import MeshInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
@@ -74,97 +73,6 @@ def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
     if not isinstance(t, DTensor):
         raise RuntimeError(f"{fqn}: the sharded parameter is not a DTensor (internal error)")
     return t
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How a tensor of shape ``size`` is split on ``dim`` over ``world`` ranks, seen from ``rank``.
-
-    Split like ``torch.chunk``: rank r holds rows ``[r*chunk, r*chunk + local_rows)`` of dim
-    ``dim``; ``local_rows`` is ``chunk`` except on trailing ranks of an uneven split (fewer, or
-    none). Every rank sends a padded shard of ``chunk`` rows, so the gathered tensor has
-    ``world * chunk`` rows on ``dim``.
-
-    Attributes:
-        world: how many ranks share the tensor.
-        rank: this rank's index among them.
-        dim: the tensor dim that is split.
-        chunk: rows per rank (padded).
-        local_rows: rows this rank really holds.
-        size: the unpadded shape of the tensor being split.
-
-    Example:
-        >>> import torch
-        >>> from fully_shard.param import ShardLayout
-        >>> lay = ShardLayout.chunked(torch.Size([5, 3]), dim=0, world=4, rank=2)
-        >>> lay.chunk, lay.offset, lay.local_rows, tuple(lay.padded_full_size)
-        (2, 4, 1, (8, 3))
-    """
-
-    world: int
-    rank: int
-    dim: int
-    chunk: int
-    local_rows: int
-    size: torch.Size
-
-    @classmethod
-    def chunked(
-        cls, size: torch.Size, dim: int, world: int, rank: int, chunk: int | None = None
-    ) -> ShardLayout:
-        """``size`` split on ``dim`` into ``world`` chunks of ``chunk`` (default ceil) rows."""
-        dim_size = size[dim]
-        chunk = math.ceil(dim_size / world) if chunk is None else chunk
-        offset = min(rank * chunk, dim_size)
-        local_rows = max(0, min(offset + chunk, dim_size) - offset)
-        return cls(world, rank, dim, chunk, local_rows, size)
-
-    def regrouped(self, world: int, rank: int) -> ShardLayout:
-        """The same padded tensor split over ``world`` ranks instead (``world`` divides ours).
-
-        Each of the new ranks holds ``self.world // world`` of our chunks, so a gather over
-        the new world rebuilds exactly the padded tensor a gather over ours does.
-        """
-        if self.world % world != 0:
-            raise RuntimeError(
-                f"cannot regroup a split over {self.world} ranks into {world} (internal error)"
-            )
-        return ShardLayout.chunked(
-            self.size, self.dim, world, rank, chunk=self.chunk * (self.world // world)
-        )
-
-    @property
-    def offset(self) -> int:
-        return min(self.rank * self.chunk, self.size[self.dim])
-
-    def _with_rows(self, rows: int) -> torch.Size:
-        size = list(self.size)
-        size[self.dim] = rows
-        return torch.Size(size)
-
-    @property
-    def local_size(self) -> torch.Size:
-        """``(local_rows, *rest)`` for dim 0: what this rank holds."""
-        return self._with_rows(self.local_rows)
-
-    @property
-    def padded_shard_size(self) -> torch.Size:
-        """``(chunk, *rest)`` for dim 0: what every rank sends."""
-        return self._with_rows(self.chunk)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.padded_shard_size.numel()
-
-    @property
-    def padded_full_size(self) -> torch.Size:
-        """``(world * chunk, *rest)`` for dim 0: the gathered tensor."""
-        return self._with_rows(self.world * self.chunk)
-
-    def ranked(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` (``padded_full_size``) as ``(world, *padded_shard_size)``: rank r's rows."""
-        d, size = self.dim, self.padded_full_size
-        return full.view(*size[:d], self.world, self.chunk, *size[d + 1 :]).movedim(d, 0)
 
 
 class ShardedParam:

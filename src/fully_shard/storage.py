@@ -31,33 +31,31 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .collectives import GatherInput
+from .layout import ParamView, ShardLayout
 from .quantize import PLAIN, GatherFormat
-
-if TYPE_CHECKING:
-    from .param import ShardedParam, ShardLayout
 
 
 class UnshardedSide(Protocol):
     """The all-gather seam of one parameter; see the module docstring for who calls what."""
 
     def inputs(
-        self, p: ShardedParam, piece: tuple[torch.Tensor, ShardLayout] | None
+        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
     ) -> list[GatherInput]:
         """What to send; ``piece``: a post-forward piece to gather instead of the shard."""
         ...
 
-    def alloc(self, p: ShardedParam) -> None: ...
+    def alloc(self, p: ParamView) -> None: ...
 
     def destinations(self) -> list[torch.Tensor] | None: ...
 
-    def finish(self, p: ShardedParam, blocks: list[torch.Tensor] | None) -> None: ...
+    def finish(self, p: ParamView, blocks: list[torch.Tensor] | None) -> None: ...
 
     def free(self) -> None: ...
 
@@ -85,7 +83,7 @@ class DenseStorage:
         self._gathering: tuple[ShardLayout, GatherFormat] | None = None
 
     def inputs(
-        self, p: ShardedParam, piece: tuple[torch.Tensor, ShardLayout] | None
+        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
     ) -> list[GatherInput]:
         if piece is not None:  # already dequantized rows: they travel plain
             data, layout = piece
@@ -96,7 +94,7 @@ class DenseStorage:
         self._gathering = (layout, fmt)
         return fmt.inputs(data, layout.padded_shard_size, layout.dim, p.compute_dtype)
 
-    def alloc(self, p: ShardedParam) -> None:
+    def alloc(self, p: ParamView) -> None:
         """Allocate (first time: create) the storage and point ``p.unsharded_param`` at it.
 
         The storage is in the compute dtype of now: if that changed since the last unshard
@@ -137,7 +135,7 @@ class DenseStorage:
             return None
         return [alias.view(gathering[0].world, -1)]
 
-    def finish(self, p: ShardedParam, blocks: list[torch.Tensor] | None) -> None:
+    def finish(self, p: ParamView, blocks: list[torch.Tensor] | None) -> None:
         gathering, alias = self._gathering, self.alias
         self._gathering = None
         if blocks is None:
@@ -173,11 +171,11 @@ class WholeShard:
     """
 
     def inputs(
-        self, p: ShardedParam, piece: tuple[torch.Tensor, ShardLayout] | None
+        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
     ) -> list[GatherInput]:
         return []
 
-    def alloc(self, p: ShardedParam) -> None:
+    def alloc(self, p: ParamView) -> None:
         local = p.local_shard
         param = p.unsharded_param
         if param is None:
@@ -191,7 +189,7 @@ class WholeShard:
     def destinations(self) -> list[torch.Tensor] | None:
         return []
 
-    def finish(self, p: ShardedParam, blocks: list[torch.Tensor] | None) -> None:
+    def finish(self, p: ParamView, blocks: list[torch.Tensor] | None) -> None:
         return None
 
     def free(self) -> None:

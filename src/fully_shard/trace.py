@@ -55,7 +55,7 @@ from .collectives import Waitable
 from .errors import FullyShardStateError, FullyShardValueError
 from .group import ParamGroup
 from .hooks import FSDPState, group_labels
-from .observer import CollectiveCall, SpanKind
+from .observer import CollectiveCall, ObservedGroup, SpanKind
 
 Kind = Literal[
     "forward", "backward", "unshard", "reshard", "all_gather", "reduce_scatter", "all_reduce"
@@ -259,12 +259,12 @@ class Recorder:
         """Wall-clock nanoseconds on this recorder's clock."""
         return time.perf_counter_ns() + self._offset
 
-    def begin(self, group: ParamGroup, kind: SpanKind) -> None:
+    def begin(self, group: ObservedGroup, kind: SpanKind) -> None:
         """A span of ``kind`` starts for ``group`` (called by the engine)."""
         if kind in _SPANS:
             self._open[(id(group), kind)] = self.now()
 
-    def end(self, group: ParamGroup, kind: SpanKind) -> None:
+    def end(self, group: ObservedGroup, kind: SpanKind) -> None:
         """The open span of ``kind`` ends for ``group``; one never begun is ignored."""
         if kind not in _SPANS:
             return
@@ -278,7 +278,7 @@ class Recorder:
             self._sample()
 
     def collective(
-        self, group: ParamGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
+        self, group: ObservedGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
     ) -> Waitable | None:
         """Issue and time one of ``group``'s collectives (called by the engine)."""
         attached = self._attached.get(id(group))
