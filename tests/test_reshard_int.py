@@ -11,8 +11,11 @@ a bool and replaces the int.
   dims 0 and 1, and a (1, 4) HSDP mesh) and against torch's ``fully_shard`` with the option;
 - memory: between forward and backward, each rank holds exactly ``1/n`` of the padded
   parameters and no unsharded storage;
+- what the module shows between forward and backward: torch's DTensors on the
+  ``(W/n, n)`` mesh, ``(Replicate(), Shard(d))``, each rank's ``torch.chunk`` rows over n,
+  side by side with torch's; then the optimizer's sharded DTensors again;
 - bytes: forward's all-gather sends ``1/W`` of the padded group per rank over W ranks,
-  backward's ``1/n`` over n ranks;
+  backward's ``torch.chunk`` pieces over n ranks (at most ``1/n`` of it);
 - the corner cases: n == 1 and n == W, ``set_reshard_after_forward``, pieces that went stale,
   tensor-parallel parameters refused before anything changed.
 """
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fully_shard import (
     CountingComm,
@@ -190,6 +193,57 @@ def test_between_forward_and_backward_a_rank_holds_one_nth_of_the_padded_paramet
         assert seen["storage_alive_after"] == [False, False, False]
 
 
+def _shown_between_forward_and_backward(impl: str, dims: list[int]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = MLPStack(dims, activation="tanh")
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrap_layers_then_root(_impl(impl), reshard_after_forward=N)(model, mesh_1d())
+    sharded = dict(model.named_parameters())
+    loss = model(torch.randn(2, dims[0])).sum()
+    shown = {}
+    for name, p in model.named_parameters():
+        if not name.startswith("layers."):
+            continue  # the root keeps its parameters gathered (reshard_after_forward=False)
+        assert isinstance(p, DTensor)
+        shown[name] = {
+            "mesh": tuple(p.device_mesh.shape),
+            "mesh_ranks": p.device_mesh.mesh.tolist(),
+            "placements": tuple(p.placements),
+            "local": tuple(p.to_local().shape),
+            "is_sharded": p is sharded[name],
+            "values_exact": bool(torch.equal(p.full_tensor(), full[name])),
+        }
+    loss.backward()
+    after = all(p is sharded[n] for n, p in model.named_parameters())
+    return {"shown": shown, "sharded_again": after}
+
+
+@needs_torch_fsdp2_on_cpu
+@pytest.mark.parametrize("dims", [[8, 8, 8, 8], DIMS], ids=["even", "uneven"])
+def test_between_forward_and_backward_the_module_shows_the_n_rank_dtensors_as_torch(
+    dims: list[int],
+) -> None:
+    ours = run_distributed(_shown_between_forward_and_backward, WORLD, "ours", dims)
+    ref = run_distributed(_shown_between_forward_and_backward, WORLD, "torch", dims)
+    for rank, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert a["sharded_again"] and b["sharded_again"]
+        assert a["shown"].keys() == b["shown"].keys()
+        for name, got in a["shown"].items():
+            want = b["shown"][name]
+            shard_dim = got["placements"][1].dim
+            assert got["mesh"] == want["mesh"] == (WORLD // N, N), name
+            assert got["mesh_ranks"] == want["mesh_ranks"] == [[0, 1], [2, 3]], name
+            assert got["placements"] == want["placements"] == (Replicate(), Shard(0)), name
+            # each rank holds its torch.chunk rows over its group of n
+            assert got["local"] == want["local"], (rank, name)
+            assert shard_dim == 0 and not got["is_sharded"], name
+            # ours are the parameter's values; torch's are too when n divides every dim
+            # evenly into W-padded chunks, and off by padding rows otherwise (migrating.md)
+            assert got["values_exact"], (rank, name)
+            if dims == [8, 8, 8, 8]:
+                assert want["values_exact"], (rank, name)
+
+
 # -- bytes -----------------------------------------------------------------------------------
 
 
@@ -225,8 +279,10 @@ def _gathers(flag: bool | int, *, set_after: bool | None = None) -> dict[str, An
 
 
 def _group_bytes(shapes: list[tuple[int, ...]], over: int) -> int:
-    """Bytes one rank sends for a group whose padded (W-rank) parameters are split ``over``."""
-    return sum(_padded_numel(torch.Size(s), WORLD) * 4 // over for s in shapes)
+    """Bytes one rank sends for a group whose parameters are split like ``torch.chunk`` over
+    ``over`` ranks: one padded chunk each (the W-rank shard, or the n-rank post-forward piece,
+    which is never more than ``1/n`` of the W-padded parameter)."""
+    return sum(_padded_numel(torch.Size(s), over) * 4 // over for s in shapes)
 
 
 def _expected(shapes: list[list[tuple[int, ...]]], backward_world: int | None) -> list[Any]:
@@ -240,7 +296,7 @@ def _expected(shapes: list[list[tuple[int, ...]]], backward_world: int | None) -
 @pytest.mark.parametrize(
     ("flag", "set_after", "backward_world"),
     [
-        (N, None, N),  # backward gathers 1/n of the padded group, within n ranks
+        (N, None, N),  # backward gathers torch.chunk(P, n) pieces, padded, within n ranks
         (WORLD, None, WORLD),  # n == W is True
         (True, None, WORLD),
         (N, True, WORLD),  # set_reshard_after_forward(True) replaces the int
@@ -273,13 +329,16 @@ def _stale_pieces() -> bool:
     for block in model.layers:
         fully_shard(block, mesh=mesh_1d(), reshard_after_forward=N)
     fully_shard(model, mesh=mesh_1d())
-    model(torch.randn(2, DIMS[0])).sum()  # forward that needs grad, no backward: pieces kept
+    sharded = list(model.parameters())  # what an optimizer holds
     block = model.layers[0]
+    block_sharded = dict(block.named_parameters())
+    model(torch.randn(2, DIMS[0])).sum()  # forward that needs grad, no backward: pieces kept
     assert block._fsdp_state.group.post_forward_nbytes() > 0  # type: ignore[union-attr]
     with torch.no_grad():
-        for p in model.parameters():
+        for p in sharded:
             p.add_(0.5)  # the pieces are now stale
-    want = {n: p.full_tensor() for n, p in block.named_parameters()}  # type: ignore[attr-defined]
+    # the module still shows the (stale) post-forward pieces; the sharded ones are what counts
+    want = {n: p.full_tensor() for n, p in block_sharded.items()}  # type: ignore[attr-defined]
     block.unshard()  # type: ignore[operator]
     return all(torch.equal(p, want[n]) for n, p in block.named_parameters())
 

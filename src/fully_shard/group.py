@@ -380,7 +380,7 @@ class ParamGroup:
             return
         with self.span("reshard"):
             for p in self.params:
-                p.reshard_to_post_forward(sub.size, sub.rank)
+                p.reshard_to_post_forward(sub)
             self._transition(GroupState.SHARDED, "reshard_after_forward()")
 
     def post_forward_nbytes(self) -> int:

@@ -72,20 +72,6 @@ class ShardLayout:
         local_rows = max(0, min(offset + chunk, dim_size) - offset)
         return cls(world, rank, dim, chunk, local_rows, size)
 
-    def regrouped(self, world: int, rank: int) -> ShardLayout:
-        """The same padded tensor split over ``world`` ranks instead (``world`` divides ours).
-
-        Each of the new ranks holds ``self.world // world`` of our chunks, so a gather over
-        the new world rebuilds exactly the padded tensor a gather over ours does.
-        """
-        if self.world % world != 0:
-            raise RuntimeError(
-                f"cannot regroup a split over {self.world} ranks into {world} (internal error)"
-            )
-        return ShardLayout.chunked(
-            self.size, self.dim, world, rank, chunk=self.chunk * (self.world // world)
-        )
-
     @property
     def offset(self) -> int:
         return min(self.rank * self.chunk, self.size[self.dim])

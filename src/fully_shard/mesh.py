@@ -107,6 +107,9 @@ class SubgroupInfo:
         size: how many ranks it has (divides the shard world size).
         rank: this rank's index in it (its shard rank modulo ``size`` on a mesh built by
             ``init_device_mesh``); it picks which piece of the gathered tensor the rank keeps.
+        mesh: the 2-D mesh ``(replicate, shard)`` of every such group of the mesh's ranks, one
+            group a row (torch's post-forward mesh): the registered parameters between forward
+            and backward are DTensors on it, ``(Replicate(), Shard(dim))``.
 
     Example:
         >>> sub = post_forward_subgroup(mesh_info(mesh), 2)  # doctest: +SKIP
@@ -117,6 +120,7 @@ class SubgroupInfo:
     group: dist.ProcessGroup
     size: int
     rank: int
+    mesh: DeviceMesh
 
 
 # The attribute of a DeviceMesh that caches its subgroups by size: one set of process groups
@@ -125,7 +129,7 @@ class SubgroupInfo:
 _SUBGROUPS_ATTR = "_fully_shard_post_forward_subgroups"
 
 
-class _SubgroupCache(dict[int, dist.ProcessGroup]):
+class _SubgroupCache(dict[int, tuple[dist.ProcessGroup, DeviceMesh]]):
     """Subgroups by size. Pickles and copies as empty: a ProcessGroup cannot be pickled, and
     DeviceMesh pickles its ``__dict__`` (so ``copy.deepcopy(model)`` would fail otherwise)."""
 
@@ -173,19 +177,41 @@ def post_forward_subgroup(info: MeshInfo, size: int) -> SubgroupInfo:
     if cache is None:
         cache = _SubgroupCache()
         setattr(info.mesh, _SUBGROUPS_ATTR, cache)
-    group = cache.get(size)
-    if group is None:
-        # torch's stubs leave new_subgroups_by_enumeration unannotated
-        mine, _ = dist.new_subgroups_by_enumeration(_subgroup_ranks(info, size))  # type: ignore[no-untyped-call]
-        if mine is None:
-            raise FullyShardStateError(
-                f"rank {dist.get_rank()} is in no group of {size} consecutive ranks of mesh "
-                f"{info.mesh}; call fully_shard on every rank of the mesh"
-            )
-        group = cache[size] = mine
+    cached = cache.get(size)
+    if cached is None:
+        cached = cache[size] = _post_forward_groups(info, size)
+    group, mesh = cached
     # Any assignment of pieces to ranks rebuilds the same tensor, as long as the piece a rank
-    # keeps is the one its group rank puts in place: so the group's own rank, not ours.
-    return SubgroupInfo(group=group, size=size, rank=int(group.rank()))
+    # keeps is the one its group rank puts in place: so the group's own rank, not ours (the
+    # mesh's rows are sorted, so it is also this rank's coordinate on the mesh's shard dim).
+    return SubgroupInfo(group=group, size=size, rank=int(group.rank()), mesh=mesh)
+
+
+def _post_forward_groups(info: MeshInfo, size: int) -> tuple[dist.ProcessGroup, DeviceMesh]:
+    """Create the groups of ``size`` ranks (rows) and the groups across them (columns), and
+    this rank's ``(replicate, shard)`` mesh over the rows of its part of the job."""
+    # Sorted: a process group orders its ranks so, and the mesh must agree with it.
+    rows = [sorted(row) for row in _subgroup_ranks(info, size)]
+    per_part = info.mesh.size() // size  # rows that cover one copy of the mesh's own dims
+    parts = [rows[i : i + per_part] for i in range(0, len(rows), per_part)]
+    columns = [[row[j] for row in part] for part in parts for j in range(size)]
+    # torch's stubs leave new_subgroups_by_enumeration unannotated
+    row_group, _ = dist.new_subgroups_by_enumeration(rows)  # type: ignore[no-untyped-call]
+    column_group, _ = dist.new_subgroups_by_enumeration(columns)  # type: ignore[no-untyped-call]
+    me = dist.get_rank()
+    part = next((part for part in parts if any(me in row for row in part)), None)
+    if row_group is None or column_group is None or part is None:
+        raise FullyShardStateError(
+            f"rank {me} is in no group of {size} consecutive ranks of mesh "
+            f"{info.mesh}; call fully_shard on every rank of the mesh"
+        )
+    mesh = DeviceMesh.from_group(
+        [column_group, row_group],
+        info.mesh.device_type,
+        mesh=torch.tensor(part, dtype=torch.int),
+        mesh_dim_names=("replicate", "shard"),
+    )
+    return row_group, mesh
 
 
 def _device_of(mesh: DeviceMesh) -> torch.device:

@@ -20,10 +20,13 @@ fewer rows, or none)::
 
 Under ``reshard_after_forward=n`` one more tensor lives between forward and backward::
 
-    post-forward    (rows'_k, *rest)  the rows of the padded unsharded tensor that rank k of its
-    piece                             group of n consecutive shard ranks keeps after forward,
-                                      split like the storage into n chunks of (W/n)*c rows;
-                                      backward all-gathers these within the n-rank group
+    post-forward    (rows'_k, *rest)  the rows that rank k of its group of n consecutive shard
+    piece                             ranks keeps after forward: P split like torch.chunk over
+                                      n (c' = ceil(d0 / n) rows each); shown to the module as
+                                      DTensor(piece, (replicate, shard) mesh of the n-rank
+                                      groups, (Replicate(), Shard(0))), as torch's is; backward
+                                      all-gathers the pieces, padded to c', within the group
+                                      into the front n*c' (<= W*c) rows of the storage
 
 The geometry of each split is one frozen :class:`~fully_shard.layout.ShardLayout` (W ranks;
 or n ranks for the post-forward piece), so the two splits are two objects of one kind.
@@ -56,13 +59,13 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._compat import dtensor_from_spec, dtensor_spec, local_tensor, post_accumulate_grad_hooks
 from .collectives import GatherInput
 from .extensions import SubclassGather, check_extension_plan, has_extension
 from .layout import ShardLayout
-from .mesh import MeshInfo, contiguous_stride
+from .mesh import MeshInfo, SubgroupInfo, contiguous_stride
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
 from .spmd import TPLayout, combined_placements
@@ -145,10 +148,12 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         # Where the gathered bytes go and how they become unsharded_param (storage.py).
         self.unsharded_side: UnshardedSide = DenseStorage()
-        self._choose_unsharded_side()
         # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
-        # forward and the backward's all-gather (which hands them over and drops them).
+        # forward and the backward's all-gather (which hands them over and drops them)...
         self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
+        # ... and those rows as a DTensor on the n-rank mesh, shown until backward's gather.
+        self._post_forward_shown: nn.Parameter | None = None
+        self._choose_unsharded_side()
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -336,24 +341,40 @@ class ShardedParam:
 
     # -- the post-forward piece (reshard_after_forward=n) -------------------------------------
 
-    def reshard_to_post_forward(self, world: int, rank: int) -> None:
-        """Keep rank ``rank``'s rows of a ``world``-rank split of the gathered tensor, free the
-        rest, and show the sharded DTensor again."""
+    def reshard_to_post_forward(self, sub: SubgroupInfo) -> None:
+        """Keep this rank's rows of the parameter split like ``torch.chunk`` over its group of
+        ``sub.size`` ranks, free the rest, and show those rows as a DTensor on ``sub.mesh``
+        until backward gathers them (what torch's module shows then)."""
         side = self.unsharded_side
         alias = side.alias if isinstance(side, DenseStorage) else None
         if alias is None or not self.storage_allocated():
             raise RuntimeError(f"{self.fqn}: post-forward reshard while sharded (internal error)")
-        layout = self.layout.regrouped(world, rank)
+        layout = ShardLayout.chunked(self.orig_size, self.shard_dim, sub.size, sub.rank)
         rows = alias.narrow(self.shard_dim, layout.offset, layout.local_rows)
-        self._post_forward = (rows.clone(memory_format=torch.contiguous_format), layout)
+        piece = rows.clone(memory_format=torch.contiguous_format)
+        self._post_forward = (piece, layout)
         self.free_storage()
-        self.register(self.sharded_param)
+        shown = DTensor.from_local(
+            piece,
+            sub.mesh,
+            (Replicate(), Shard(self.shard_dim)),
+            run_check=False,
+            shape=self.orig_size,
+            stride=contiguous_stride(self.orig_size),
+        )
+        self._post_forward_shown = nn.Parameter(shown, requires_grad=self.requires_grad)
+        self.register(self._post_forward_shown)
 
     def has_post_forward(self) -> bool:
         return self._post_forward is not None
 
     def drop_post_forward(self) -> None:
+        """Forget the post-forward piece; the sharded DTensor is shown again if it was."""
         self._post_forward = None
+        shown, self._post_forward_shown = self._post_forward_shown, None
+        module, name = self.slots[0]
+        if shown is not None and module._parameters[name] is shown:
+            self.register(self.sharded_param)
 
     def post_forward_nbytes(self) -> int:
         """Bytes of the post-forward piece held now (0 without one)."""
@@ -377,6 +398,8 @@ class ShardedParam:
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make every slot (module attribute) that refers to this parameter show ``tensor``."""
+        if tensor is not self._post_forward_shown:
+            self._post_forward_shown = None  # its rows are no longer needed once unshown
         for module, name in self.slots:
             module._parameters[name] = tensor  # type: ignore[assignment]  # a Parameter or DTensor Parameter
 

@@ -133,7 +133,7 @@ class DenseStorage:
         gathering, alias = self._gathering, self.alias
         if gathering is None or alias is None or gathering[0].dim != 0 or not gathering[1].direct:
             return None
-        return [alias.view(gathering[0].world, -1)]
+        return [_gathered_rows(alias, gathering[0]).view(gathering[0].world, -1)]
 
     def finish(self, p: ParamView, blocks: list[torch.Tensor] | None) -> None:
         gathering, alias = self._gathering, self.alias
@@ -144,7 +144,7 @@ class DenseStorage:
             raise RuntimeError(f"{p.fqn}: all-gather output before its input (internal error)")
         layout, fmt = gathering
         # rank r's padded shard lands at rows [r*chunk, (r+1)*chunk) of dim `shard_dim`
-        fmt.rebuild(blocks, layout.ranked(alias))
+        fmt.rebuild(blocks, layout.ranked(_gathered_rows(alias, layout)))
 
     def free(self) -> None:
         if self.storage is not None:
@@ -152,6 +152,12 @@ class DenseStorage:
 
     def allocated(self) -> bool:
         return self.storage is not None and self.storage.untyped_storage().size() > 0
+
+
+def _gathered_rows(storage: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """The rows of ``storage`` (``W * chunk`` on the split dim) that a gather split like
+    ``layout`` fills: all of them, or the front ``n * chunk'`` for a post-forward piece's."""
+    return storage.narrow(layout.dim, 0, layout.padded_full_size[layout.dim])
 
 
 class WholeShard:

@@ -11,7 +11,7 @@ gather buffer               ``W * sum(padded shard)`` in the all-gather dtype, f
                             group's unshard (or prefetch) to its copy-out
 unsharded parameters        ``W * chunk * rest`` per parameter (the padded storage) in the
                             compute dtype, from copy-out to reshard
-post-forward piece          ``reshard_after_forward=n``: this rank's rows of an n-rank split,
+post-forward piece          ``reshard_after_forward=n``: this rank's ``torch.chunk`` rows over n,
                             from the end of forward to the backward gather's copy-out
 unsharded gradients         measured in the trace, from the group's backward to its
                             post-backward (packed, then freed)
@@ -158,6 +158,7 @@ class _Group:
     ran_forward: bool = False
     gather: int = 0  # gather buffer bytes in flight
     piece: int = 0  # post-forward piece bytes
+    pieces: int = 0  # n while this rank holds post-forward pieces of an n-rank split, else 0
     unsharded: int = 0
 
 
@@ -208,15 +209,18 @@ def simulate(
         return world * total
 
     def piece_bytes(g: int, n: int) -> int:
-        total = 0
-        for i in groups[g].params:
-            chunk, _, rest = lay[i]
-            d0, _ = params[i].rows_rest()
-            big = chunk * (world // n)  # ShardLayout.regrouped(n, rank % n)
-            offset = min((rank % n) * big, d0)
-            rows = max(0, min(offset + big, d0) - offset)
-            total += rows * rest * params[i].compute_itemsize
-        return total
+        """This rank's post-forward pieces: ``torch.chunk`` rows over its group of n."""
+        return sum(
+            _layout(params[i], n, rank % n)[1] * lay[i][2] * params[i].compute_itemsize
+            for i in groups[g].params
+        )
+
+    def piece_gather_bytes(g: int, n: int) -> int:
+        """Backward's all-gather of the pieces within the n ranks: n padded pieces each."""
+        return sum(
+            n * _layout(params[i], n, 0)[0] * lay[i][2] * params[i].compute_itemsize
+            for i in groups[g].params
+        )
 
     # Persistent: shards, optimizer state, inputs and buffers.
     shards = sum(local_bytes(i) for i in range(len(params)))
@@ -251,7 +255,7 @@ def simulate(
         grp = groups[g]
         if grp.state != "sharded" or not grp.params:
             return
-        grp.gather = gather_bytes(g)
+        grp.gather = piece_gather_bytes(g, grp.pieces) if grp.pieces else gather_bytes(g)
         led.add("gathered", grp.gather)
         grp.state = "unsharding"
 
@@ -264,14 +268,14 @@ def simulate(
         grp.unsharded = unsharded_bytes(g)
         led.add("gathered", grp.unsharded)  # copy-out: buffer and storage both live
         led.add("gathered", -grp.gather - grp.piece)
-        grp.gather, grp.piece = 0, 0
+        grp.gather, grp.piece, grp.pieces = 0, 0, 0
         grp.state = "unsharded"
 
     def reshard(g: int) -> None:
         grp = groups[g]
         if grp.state == "sharded":
             led.add("gathered", -grp.piece)
-            grp.piece = 0
+            grp.piece, grp.pieces = 0, 0
             return
         if grp.state == "unsharding":
             wait(g)
@@ -369,7 +373,7 @@ def simulate(
             if flag is True or not needs_grad:
                 reshard(g)
             elif isinstance(flag, int) and not isinstance(flag, bool) and grp.state == "unsharded":
-                grp.piece = piece_bytes(g, flag)
+                grp.piece, grp.pieces = piece_bytes(g, flag), flag
                 led.add("gathered", grp.piece)
                 led.add("gathered", -grp.unsharded)
                 grp.unsharded, grp.state = 0, "sharded"
