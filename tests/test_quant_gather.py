@@ -166,7 +166,7 @@ def _parity_run(case: Case) -> dict[str, float]:
     reference = copy.deepcopy(model)  # fp32 masters; computes with gathered_reference(...)
     _shard(model, case, mesh)
     quantized = sum(
-        p.gather_format() is not PLAIN
+        p.gather_format(m._fsdp_state.group.config.quantization_policy) is not PLAIN
         for m in model.modules()
         if isinstance(m, FSDPModule)
         for p in m._fsdp_state.group.params
@@ -425,8 +425,12 @@ def _mixed_group() -> dict[str, Any]:
         model, mesh=mesh_1d(), quantization_policy=QuantizationPolicy("int8", block_size=64)
     )
     assert isinstance(model, FSDPModule)
-    formats = {p.fqn: type(p.gather_format()).__name__ for p in model._fsdp_state.group.params}
-    reprs = [repr(p) for p in model._fsdp_state.group.params]
+    group = model._fsdp_state.group
+    formats = {
+        p.fqn: type(p.gather_format(group.config.quantization_policy)).__name__
+        for p in group.params
+    }
+    group_repr = repr(group)
     model.unshard()
     exact = {n: bool(torch.equal(getattr_path(model, n), m)) for n, m in masters.items()}
     dtypes = {n: str(getattr_path(model, n).dtype) for n in masters}
@@ -434,7 +438,13 @@ def _mixed_group() -> dict[str, Any]:
     x = torch.randn(3, 64)
     model(x).square().mean().backward()
     grads = {n: p.grad is not None for n, p in model.named_parameters()}
-    return {"formats": formats, "exact": exact, "dtypes": dtypes, "grads": grads, "reprs": reprs}
+    return {
+        "formats": formats,
+        "exact": exact,
+        "dtypes": dtypes,
+        "grads": grads,
+        "group_repr": group_repr,
+    }
 
 
 def getattr_path(module: nn.Module, name: str) -> Tensor:
@@ -475,7 +485,9 @@ def test_small_1d_integer_and_float8_parameters_travel_unquantized() -> None:
         "frozen_bf16": False,
         "frozen_fp8": False,
     }
-    assert any("int8/64" in r and "big.weight" in r for r in got["reprs"]), got["reprs"]
+    # the group says which of its parameters travel as int8, in blocks of how many
+    assert "big.weight (int8/64)" in got["group_repr"], got["group_repr"]
+    assert "table (int8" not in got["group_repr"], got["group_repr"]
 
 
 # -- checkpoints hold the fp32 masters ----------------------------------------------------------

@@ -272,7 +272,6 @@ def fully_shard(
                 pin,
                 mp_policy,
                 plan.tp,
-                quantization_policy,
             )
             for plan in group_plans
         ]
@@ -281,6 +280,7 @@ def fully_shard(
         config = GroupConfig(
             reshard_after_forward=reshard_flag,
             mp_policy=mp_policy,
+            quantization_policy=quantization_policy,
             offload_policy=offload_policy,
             post_forward=post_forward,
         )

@@ -63,7 +63,7 @@ from .collectives import GatherInput, typed_block
 from .errors import FullyShardNotImplementedError, FullyShardTypeError, FullyShardValueError
 from .layout import ParamView, ShardLayout
 from .mesh import MeshInfo, contiguous_stride
-from .policies import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, QuantizationPolicy
 
 # How many arguments (after self) torch's fsdp_pre_all_gather takes: the old form (mesh) and
 # the current one (mesh, outer_size, outer_stride, module, mp_policy).
@@ -184,7 +184,10 @@ class SubclassGather:
         return self._mesh
 
     def inputs(
-        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
+        self,
+        p: ParamView,
+        piece: tuple[torch.Tensor, ShardLayout] | None,
+        policy: QuantizationPolicy,
     ) -> list[GatherInput]:
         """Call the pre hook of this rank's rows and describe what it returned."""
         if piece is not None:

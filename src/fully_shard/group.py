@@ -53,7 +53,8 @@ from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
 from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
 from .param import ShardedParam
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
+from .quantize import PLAIN
 
 
 class GroupState(enum.Enum):
@@ -85,6 +86,7 @@ class GroupConfig:
         requires_gradient_sync: reduce-scatter gradients in backward. ``False`` keeps the
             unsharded gradients locally until a backward with sync on.
         mp_policy: dtypes for all-gather, compute and reduction.
+        quantization_policy: which parameters all-gather block-quantized to int8.
         offload_policy: where the sharded state lives.
         post_forward: with ``reshard_after_forward=True``, reshard after forward only to this
             group of n consecutive shard ranks (``fully_shard(..., reshard_after_forward=n)``):
@@ -116,6 +118,7 @@ class GroupConfig:
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    quantization_policy: QuantizationPolicy = field(default_factory=QuantizationPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
     post_forward: SubgroupInfo | None = None
     requires_all_reduce: bool = True
@@ -205,7 +208,11 @@ class ParamGroup:
         self.label = "+".join(type(m).__name__ for m in modules)
 
     def __repr__(self) -> str:
-        names = ", ".join(p.fqn for p in self.params)
+        quant = self.config.quantization_policy
+        tag = f" (int8/{quant.block_size})"
+        names = ", ".join(
+            p.fqn + (tag if p.gather_format(quant) is not PLAIN else "") for p in self.params
+        )
         return f"ParamGroup([{names}], {self.state.name})"
 
     # -- observers --------------------------------------------------------------------------
@@ -251,7 +258,7 @@ class ParamGroup:
         self._initialized = True
         sub = self.config.post_forward
         for p in self.params:
-            p.sync_with_module()
+            p.sync_with_module(self.config.quantization_policy)
             if sub is not None:  # hooks patched on since fully_shard: refused as it would
                 own = local_tensor(p.sharded_param)
                 check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
@@ -287,7 +294,8 @@ class ParamGroup:
         # the flat buffer with autograd recording would fail.
         with torch.no_grad():
             # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
-            inputs = [p.all_gather_inputs() for p in self.params]
+            quant = self.config.quantization_policy
+            inputs = [p.all_gather_inputs(quant) for p in self.params]
             flat_inputs = [gi for per_param in inputs for gi in per_param]
             wire = wire_dtype([gi.dtype for gi in flat_inputs])
             sizes = split_sizes(flat_inputs, wire)

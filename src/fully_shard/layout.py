@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .mesh import MeshInfo
-from .policies import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import GatherFormat
 from .spmd import TPLayout
 
@@ -133,4 +133,4 @@ class ParamView(Protocol):
     @property
     def local_shard(self) -> torch.Tensor: ...
 
-    def gather_format(self) -> GatherFormat: ...
+    def gather_format(self, policy: QuantizationPolicy) -> GatherFormat: ...

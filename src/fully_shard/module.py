@@ -697,8 +697,9 @@ class FSDPModule(nn.Module):
                 "gathered; call reshard() first"
             )
         out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        for p in self._fsdp_state.params:
-            p.sync_with_module()
+        for group in self._fsdp_state.groups:
+            for p in group.params:
+                p.sync_with_module(group.config.quantization_policy)
         return out
 
 

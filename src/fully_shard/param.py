@@ -98,7 +98,6 @@ class ShardedParam:
         pin_memory: bool,
         mp_policy: MixedPrecisionPolicy,
         tp: TPLayout | None = None,
-        quant_policy: QuantizationPolicy | None = None,
     ) -> None:
         self.fqn = fqn
         # Every (module, attribute) that refers to this parameter: a tied weight has several.
@@ -107,7 +106,6 @@ class ShardedParam:
         self.info = info
         self.tp = tp
         self.mp_policy = mp_policy
-        self.quant_policy = QuantizationPolicy() if quant_policy is None else quant_policy
         # What we shard: the parameter itself, or its TP-local tensor.
         source = param.to_local() if isinstance(param, DTensor) else param
         self.orig_size = source.size()
@@ -146,14 +144,15 @@ class ShardedParam:
         self._local: torch.Tensor = local
 
         self.unsharded_param: nn.Parameter | None = None
-        # Where the gathered bytes go and how they become unsharded_param (storage.py).
+        # Where the gathered bytes go and how they become unsharded_param (storage.py): chosen
+        # at lazy init (sync_with_module), when the module's tensors and the group's
+        # quantization policy are final.
         self.unsharded_side: UnshardedSide = DenseStorage()
         # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
         # forward and the backward's all-gather (which hands them over and drops them)...
         self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
         # ... and those rows as a DTensor on the n-rank mesh, shown until backward's gather.
         self._post_forward_shown: nn.Parameter | None = None
-        self._choose_unsharded_side()
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -166,12 +165,9 @@ class ShardedParam:
         names = self.info.mesh.mesh_dim_names
         dim_name = names[self.info.shard_mesh_dim] if names else f"dim{self.info.shard_mesh_dim}"
         state = "UNSHARDED" if self.is_registered_unsharded() else "SHARDED"
-        fmt = self.gather_format()
-        quant = "" if fmt is PLAIN else f"int8/{self.quant_policy.block_size}, "
         return (
             f"ShardedParam({self.fqn}, global={tuple(self.orig_size)}, "
-            f"local={tuple(self._local.shape)}, Shard({self.shard_dim})@{dim_name}, "
-            f"{quant}{state})"
+            f"local={tuple(self._local.shape)}, Shard({self.shard_dim})@{dim_name}, {state})"
         )
 
     # -- geometry and dtypes, read when needed --------------------------------------------------
@@ -191,9 +187,10 @@ class ShardedParam:
         """Elements of one padded shard: what every rank sends for this parameter."""
         return self.layout.padded_numel
 
-    def gather_format(self) -> GatherFormat:
-        """How the shard travels in its all-gather (plain or int8), asked of the policy now."""
-        return gather_format(self.quant_policy, self.orig_size, self.orig_dtype, self.padded_numel)
+    def gather_format(self, policy: QuantizationPolicy) -> GatherFormat:
+        """How the shard travels in its all-gather (plain or int8): ``policy`` (its group's)
+        asked now, for the dtype the shard has now."""
+        return gather_format(policy, self.orig_size, self.orig_dtype, self.padded_numel)
 
     @property
     def padded_shard_size(self) -> torch.Size:
@@ -219,8 +216,9 @@ class ShardedParam:
         """The local rows of the sharded DTensor (``(rows_r, *rest)`` for dim 0)."""
         return self._local
 
-    def sync_with_module(self) -> None:
-        """Pick up a sharded parameter that ``Module._apply`` (e.g. ``to_empty``) replaced.
+    def sync_with_module(self, policy: QuantizationPolicy) -> None:
+        """Pick up a sharded parameter that ``Module._apply`` (e.g. ``to_empty``) replaced, and
+        choose the unsharded side for it and its group's quantization ``policy``.
 
         ``_apply`` either swaps the tensor inside our ``nn.Parameter`` or puts a new parameter
         in the module; either way the module's current one becomes ours again. A post-forward
@@ -243,10 +241,10 @@ class ShardedParam:
                     self._dtensor_from_local(local), requires_grad=self.requires_grad
                 )
             self._local = local
-        self._choose_unsharded_side()
+        self._choose_unsharded_side(policy)
         self.register(self.sharded_param)
 
-    def _choose_unsharded_side(self) -> None:
+    def _choose_unsharded_side(self, policy: QuantizationPolicy) -> None:
         """Gather through the local shard's hooks if it has them (asked again at lazy init:
         ``_apply`` may have replaced it, or the hooks were patched on after ``fully_shard``).
 
@@ -262,13 +260,13 @@ class ShardedParam:
                 check_extension_plan(own, self.fqn, self.shard_dim, self.tp is not None, None)
                 module = self.slots[0][0]
                 self.unsharded_side = SubclassGather(self.fqn, self.orig_size, module, self.info)
-        elif self._shard_is_unsharded():
+        elif self._shard_is_unsharded(policy):
             if not isinstance(side, WholeShard):
                 self.unsharded_side = WholeShard()
         elif not isinstance(side, DenseStorage):
             self.unsharded_side = DenseStorage()
 
-    def _shard_is_unsharded(self) -> bool:
+    def _shard_is_unsharded(self, policy: QuantizationPolicy) -> bool:
         """One shard rank holds the whole parameter, in the dtype and on the device forward
         computes with, and it travels plain: forward can use the shard's storage itself."""
         local = self._local
@@ -278,7 +276,7 @@ class ShardedParam:
             and local.device.type != "meta"
             and local.device == self.info.device
             and self.compute_dtype == local.dtype
-            and self.gather_format() is PLAIN
+            and self.gather_format(policy) is PLAIN
         )
 
     def _dtensor_from_local(self, local: torch.Tensor) -> DTensor:
@@ -317,7 +315,7 @@ class ShardedParam:
     # the unsharded tensor, and freeing it) is this parameter's *unsharded side*, one object
     # (storage.py): a padded dense storage written through a gather format (plain or int8).
 
-    def all_gather_inputs(self) -> list[GatherInput]:
+    def all_gather_inputs(self, policy: QuantizationPolicy) -> list[GatherInput]:
         """What this rank sends in the next all-gather of its group.
 
         Normally its local rows of the W-rank split, in the format the quantization policy
@@ -327,7 +325,7 @@ class ShardedParam:
         dequantized), and it is handed over here; this parameter keeps no reference to it.
         """
         piece, self._post_forward = self._post_forward, None
-        return self.unsharded_side.inputs(self, piece)
+        return self.unsharded_side.inputs(self, piece, policy)
 
     def all_gather_destinations(self) -> list[torch.Tensor] | None:
         """``(world, numel)`` views the gathered blocks can be copied straight into, one per

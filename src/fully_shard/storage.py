@@ -4,7 +4,7 @@ Between a parameter's local shard and the tensor the module computes with sits o
 chosen per parameter (:class:`UnshardedSide`); :class:`~fully_shard.param.ShardedParam`
 hands its whole all-gather seam to it::
 
-    inputs(p, piece)   what this rank sends (GatherInputs)       all_gather_inputs
+    inputs(p, piece, q) what this rank sends (GatherInputs)      all_gather_inputs
     alloc(p)           make the bytes the gather lands in         alloc_storage
     destinations()     (W, numel) views to copy straight into     all_gather_destinations
     finish(p, blocks)  build / refill p.unsharded_param           finish_all_gather
@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import GatherInput
 from .layout import ParamView, ShardLayout
+from .policies import QuantizationPolicy
 from .quantize import PLAIN, GatherFormat
 
 
@@ -46,9 +47,13 @@ class UnshardedSide(Protocol):
     """The all-gather seam of one parameter; see the module docstring for who calls what."""
 
     def inputs(
-        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
+        self,
+        p: ParamView,
+        piece: tuple[torch.Tensor, ShardLayout] | None,
+        policy: QuantizationPolicy,
     ) -> list[GatherInput]:
-        """What to send; ``piece``: a post-forward piece to gather instead of the shard."""
+        """What to send; ``piece``: a post-forward piece to gather instead of the shard;
+        ``policy``: the group's quantization policy, for the shard's gather format."""
         ...
 
     def alloc(self, p: ParamView) -> None: ...
@@ -83,14 +88,17 @@ class DenseStorage:
         self._gathering: tuple[ShardLayout, GatherFormat] | None = None
 
     def inputs(
-        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
+        self,
+        p: ParamView,
+        piece: tuple[torch.Tensor, ShardLayout] | None,
+        policy: QuantizationPolicy,
     ) -> list[GatherInput]:
         if piece is not None:  # already dequantized rows: they travel plain
             data, layout = piece
             fmt: GatherFormat = PLAIN
         else:
             data, layout = p.local_shard, p.layout
-            fmt = p.gather_format()
+            fmt = p.gather_format(policy)
         self._gathering = (layout, fmt)
         return fmt.inputs(data, layout.padded_shard_size, layout.dim, p.compute_dtype)
 
@@ -177,7 +185,10 @@ class WholeShard:
     """
 
     def inputs(
-        self, p: ParamView, piece: tuple[torch.Tensor, ShardLayout] | None
+        self,
+        p: ParamView,
+        piece: tuple[torch.Tensor, ShardLayout] | None,
+        policy: QuantizationPolicy,
     ) -> list[GatherInput]:
         return []
 
