@@ -347,6 +347,32 @@ def test_pieces_that_went_stale_are_not_gathered() -> None:
     assert run_distributed(_stale_pieces, WORLD) == [True] * WORLD
 
 
+def _to_between_forward_and_backward() -> bool:
+    torch.manual_seed(0)
+    model = MLPStack(DIMS, activation="tanh")
+    full = {n: p.detach().double() for n, p in model.named_parameters()}
+    wrap_layers_then_root(fully_shard, reshard_after_forward=N)(model, mesh_1d())
+    model(torch.randn(2, DIMS[0])).sum()  # pieces shown, no backward
+    model.double()  # converts the sharded DTensors, not the pieces
+    shards = [p.to_local().shape[0] for p in model.parameters()]  # type: ignore[attr-defined]
+    rank = dist.get_rank()
+    chunks = [math.ceil(t.shape[0] / WORLD) for t in full.values()]
+    want = [
+        max(0, min((rank + 1) * c, t.shape[0]) - min(rank * c, t.shape[0]))
+        for c, t in zip(chunks, full.values(), strict=True)
+    ]  # this rank's rows of the W-rank split (torch.chunk)
+    exact = all(
+        p.dtype == torch.float64 and torch.equal(p.full_tensor(), full[n])  # type: ignore[attr-defined]
+        for n, p in model.named_parameters()
+    )
+    model(torch.randn(2, DIMS[0], dtype=torch.float64)).sum().backward()
+    return exact and shards == want
+
+
+def test_to_between_forward_and_backward_converts_the_sharded_parameters() -> None:
+    assert run_distributed(_to_between_forward_and_backward, WORLD) == [True] * WORLD
+
+
 def _copies() -> bool:
     model = MLPStack(DIMS)
     fully_shard(model, mesh=mesh_1d(), reshard_after_forward=N)

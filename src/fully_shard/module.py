@@ -696,6 +696,10 @@ class FSDPModule(nn.Module):
                 f"{type(self).__name__}: to()/to_empty()/cuda() while the parameters are "
                 "gathered; call reshard() first"
             )
+        for group in self._fsdp_state.groups:
+            # Post-forward pieces (reshard_after_forward=n) go: _apply must convert the sharded
+            # DTensors, never the pieces the module shows between forward and backward.
+            group.reshard()
         out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for group in self._fsdp_state.groups:
             for p in group.params:
