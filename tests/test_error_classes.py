@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
 from torch.distributed.tensor import Shard
 
+from extension_stubs import BadSignature, PreOnly
 from fully_shard import (
     FullyShardError,
     FullyShardNotImplementedError,
@@ -81,24 +82,7 @@ def _twice(fs: ShardFn) -> Any:
     return fs(fs(_net(), mesh=mesh_1d()), mesh=mesh_1d())
 
 
-class _PreOnly(torch.Tensor):
-    """Half an all-gather extension: a pre hook without its post hook."""
-
-    def fsdp_pre_all_gather(self, mesh: Any) -> Any:
-        return (self,), None
-
-
-class _BadSignature(torch.Tensor):
-    """An all-gather extension whose pre hook takes neither of torch's argument lists."""
-
-    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any) -> Any:
-        return (self,), None
-
-    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, dtype: Any, **kw: Any) -> Any:
-        return outputs[0], ()
-
-
-class _Extension(_BadSignature):
+class _Extension(BadSignature):
     def fsdp_pre_all_gather(  # type: ignore[override]  # torch's full argument list
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> Any:
@@ -230,12 +214,12 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
     # all-gather extensions: torch accepts (gathers the tensor plainly or fails later), ours
     # refuses before the first all-gather
     "an extension with a pre hook only": (
-        lambda fs: fs(_extension(_PreOnly), mesh=mesh_1d()),
+        lambda fs: fs(_extension(PreOnly), mesh=mesh_1d()),
         None,
         FullyShardTypeError,
     ),
     "an extension pre hook with a bad signature": (
-        lambda fs: _forward(fs(_extension(_BadSignature), mesh=mesh_1d())),
+        lambda fs: _forward(fs(_extension(BadSignature), mesh=mesh_1d())),
         None,
         FullyShardTypeError,
     ),
