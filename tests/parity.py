@@ -61,6 +61,7 @@ __all__ = [
     "check_parity",
     "fsdp_gradient_sync",
     "full_or_none",
+    "global_and_rank_rows",
     "loss_fn",
     "make_float_batch",
     "make_token_batch",
@@ -111,6 +112,18 @@ def make_float_batch(n: int, gen: torch.Generator, *, in_dim: int, out_dim: int)
     x = torch.randn(n, in_dim, generator=gen)
     y = torch.randn(n, out_dim, generator=gen)
     return x, y
+
+
+def global_and_rank_rows(in_dim: int, rows: int, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """(global batch, this rank's rows of it), inside a rank of the default group.
+
+    The global batch is `W * rows` Gaussian rows of width `in_dim`, drawn from `seed`, so every
+    rank holds the same one; rank r's rows are `[r * rows, (r + 1) * rows)`, which makes an
+    unsharded replica's gradient on the global batch the mean over ranks of theirs.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(world * rows, in_dim, generator=torch.Generator().manual_seed(seed))
+    return x, x[rank * rows : (rank + 1) * rows]
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
