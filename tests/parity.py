@@ -65,6 +65,7 @@ __all__ = [
     "loss_fn",
     "make_float_batch",
     "make_token_batch",
+    "step_beside_reference",
     "wrap_layers_then_root",
 ]
 
@@ -164,6 +165,38 @@ def wrap_layers_then_root(
 def fsdp_gradient_sync(model: nn.Module, sync: bool) -> None:
     """A `set_gradient_sync` hook for `check_parity`: `model.set_requires_gradient_sync(sync)`."""
     model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule method
+
+
+def step_beside_reference(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    batch: Batch,
+    local_rows: int,
+) -> tuple[Tensor, Tensor]:
+    """One optimizer step of a sharded model and of its unsharded reference, MSE loss.
+
+    For a loop that `check_parity` cannot run (the dtype changes mid-training, frozen
+    parameters the optimizer must not see). Inside a rank of the default group: the sharded
+    model trains on this rank's `local_rows` rows of the global `batch` (rank r's are
+    `[r * local_rows, (r + 1) * local_rows)`), the reference on the whole batch. Returns
+    (the sharded loss averaged over the ranks, the reference loss), to compare by the caller.
+    """
+    x, y = batch
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = slice(rank * local_rows, (rank + 1) * local_rows)
+    loss = F.mse_loss(model(x[mine]), y[mine])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    summed = loss.detach().clone()
+    dist.all_reduce(summed)
+    ref_loss = F.mse_loss(reference(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return summed / world, ref_loss.detach()
 
 
 # ---------------------------------------------------------------------------------------------
