@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypedDict
 
 import pytest
@@ -58,6 +58,8 @@ __all__ = [
     "ParityStats",
     "ShardFn",
     "assert_close_or_both_none",
+    "assert_stats_within",
+    "assert_trains_like_torch",
     "check_parity",
     "fsdp_gradient_sync",
     "full_or_none",
@@ -197,6 +199,47 @@ def step_beside_reference(
     ref_opt.step()
     ref_opt.zero_grad()
     return summed / world, ref_loss.detach()
+
+
+def assert_trains_like_torch(
+    ours: nn.Module,
+    theirs: nn.Module,
+    make_batch: MakeBatch,
+    dp_world: int,
+    dp_rank: int,
+    *,
+    steps: int = 4,
+) -> None:
+    """Train one model sharded by ours and by torch's `fully_shard`; assert they stay equal.
+
+    Both start from the same values (the caller checks the layouts). Each step, on
+    `make_batch(2 * dp_world, generator seeded 1)`, both train with AdamW (lr 1e-2) on the
+    2 rows of data-parallel rank `dp_rank`, MSE loss; then this rank's losses must agree and
+    every parameter's `full_tensor()` too (rtol 1e-5, atol 1e-6). Every parameter must be a
+    DTensor.
+    """
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    theirs_params = dict(theirs.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+    for step in range(steps):
+        x, y = make_batch(2 * dp_world, gen)
+        losses = []
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            loss = F.mse_loss(model(x[mine]), y[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(
+                p.full_tensor(),  # type: ignore[attr-defined]  # a DTensor
+                theirs_params[name].full_tensor(),  # type: ignore[attr-defined]
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"step {step}: {name}",
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,3 +541,17 @@ def check_parity(
         n for n, p in params.items() if p.requires_grad and n not in ever_nonzero
     )
     return stats
+
+
+def assert_stats_within(stats: Mapping[str, Any], tol: float, *, grads: bool = True) -> None:
+    """A `check_parity` run (its `ParityStats`) stayed within `tol` and compared something.
+
+    The max loss and parameter differences (and, with `grads`, the max gradient difference)
+    are at most `tol`, and no trainable parameter had a zero gradient at every step.
+    """
+    keys = ("max_loss_diff", "max_grad_diff") if grads else ("max_loss_diff",)
+    for key in (*keys, "max_param_diff"):
+        if not stats[key] <= tol:
+            raise AssertionError(f"{key} = {stats[key]:.3e} > {tol:g}")
+    if stats["zero_grad_params"]:
+        raise AssertionError(f"gradients zero at every step: {stats['zero_grad_params']}")
