@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 import pytest
@@ -68,6 +68,7 @@ __all__ = [
     "make_float_batch",
     "make_token_batch",
     "step_beside_reference",
+    "train_on_rank_rows",
     "wrap_layers_then_root",
 ]
 
@@ -199,6 +200,38 @@ def step_beside_reference(
     ref_opt.step()
     ref_opt.zero_grad()
     return summed / world, ref_loss.detach()
+
+
+def train_on_rank_rows(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    dp_rank: int,
+    dp_size: int,
+    *,
+    ranks: int,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """One step per global batch of `batches`; return each step's global mean loss.
+
+    Each step trains on this rank's share of the batch (slice `dp_rank` of `dp_size` equal
+    slices of its rows, `loss_fn`). The reported loss is the loss summed over `group` (None:
+    the default group) divided by `ranks`, that group's size; with one rank nothing is summed.
+    For a checkpoint test: the run that saves and the runs that load and continue report
+    losses that must agree whatever their layouts.
+    """
+    losses = []
+    for x, y in batches:
+        rows = x.size(0) // dp_size
+        loss = loss_fn(model(x[dp_rank * rows :][:rows]), y[dp_rank * rows :][:rows])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        total = loss.detach().double()
+        if ranks > 1:
+            dist.all_reduce(total, group=group)
+        losses.append(total.item() / ranks)
+    return losses
 
 
 def assert_trains_like_torch(
