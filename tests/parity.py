@@ -68,6 +68,7 @@ __all__ = [
     "make_float_batch",
     "make_token_batch",
     "step_beside_reference",
+    "train_beside_torch",
     "train_on_rank_rows",
     "wrap_layers_then_root",
 ]
@@ -232,47 +233,6 @@ def train_on_rank_rows(
             dist.all_reduce(total, group=group)
         losses.append(total.item() / ranks)
     return losses
-
-
-def assert_trains_like_torch(
-    ours: nn.Module,
-    theirs: nn.Module,
-    make_batch: MakeBatch,
-    dp_world: int,
-    dp_rank: int,
-    *,
-    steps: int = 4,
-) -> None:
-    """Train one model sharded by ours and by torch's `fully_shard`; assert they stay equal.
-
-    Both start from the same values (the caller checks the layouts). Each step, on
-    `make_batch(2 * dp_world, generator seeded 1)`, both train with AdamW (lr 1e-2) on the
-    2 rows of data-parallel rank `dp_rank`, MSE loss; then this rank's losses must agree and
-    every parameter's `full_tensor()` too (rtol 1e-5, atol 1e-6). Every parameter must be a
-    DTensor.
-    """
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    theirs_params = dict(theirs.named_parameters())
-    gen = torch.Generator().manual_seed(1)
-    mine = slice(2 * dp_rank, 2 * dp_rank + 2)
-    for step in range(steps):
-        x, y = make_batch(2 * dp_world, gen)
-        losses = []
-        for model, opt in zip((ours, theirs), opts, strict=True):
-            loss = F.mse_loss(model(x[mine]), y[mine])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6, msg=f"step {step}")
-        for name, p in ours.named_parameters():
-            torch.testing.assert_close(
-                p.full_tensor(),  # type: ignore[attr-defined]  # a DTensor
-                theirs_params[name].full_tensor(),  # type: ignore[attr-defined]
-                rtol=1e-5,
-                atol=1e-6,
-                msg=f"step {step}: {name}",
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,3 +548,116 @@ def assert_stats_within(stats: Mapping[str, Any], tol: float, *, grads: bool = T
             raise AssertionError(f"{key} = {stats[key]:.3e} > {tol:g}")
     if stats["zero_grad_params"]:
         raise AssertionError(f"gradients zero at every step: {stats['zero_grad_params']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Side by side with torch's fully_shard
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_trains_like_torch(
+    ours: nn.Module,
+    theirs: nn.Module,
+    make_batch: MakeBatch,
+    dp_world: int,
+    dp_rank: int,
+    *,
+    steps: int = 4,
+) -> None:
+    """Train one model sharded by ours and by torch's `fully_shard`; assert they stay equal.
+
+    Both start from the same values (the caller checks the layouts). Each step, on
+    `make_batch(2 * dp_world, generator seeded 1)`, both train with AdamW (lr 1e-2) on the
+    2 rows of data-parallel rank `dp_rank`, MSE loss; then this rank's losses must agree and
+    every parameter's `full_tensor()` too (rtol 1e-5, atol 1e-6). Every parameter must be a
+    DTensor.
+    """
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    theirs_params = dict(theirs.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+    for step in range(steps):
+        x, y = make_batch(2 * dp_world, gen)
+        losses = []
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            loss = F.mse_loss(model(x[mine]), y[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(
+                p.full_tensor(),  # type: ignore[attr-defined]  # a DTensor
+                theirs_params[name].full_tensor(),  # type: ignore[attr-defined]
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"step {step}: {name}",
+            )
+
+
+def train_beside_torch(
+    models: Mapping[str, nn.Module],
+    batch: Callable[[int], Batch],
+    loss: Callable[[nn.Module, Tensor, Tensor], Tensor],
+    rows: int,
+    *,
+    pairs: Sequence[tuple[str, str]],
+    atol: float,
+    rtol: float | None = None,
+    steps: int = 3,
+    between: Callable[[int, nn.Module], None] | None = None,
+) -> int:
+    """Train ours, torch's and the unsharded model with AdamW; compare them at every step.
+
+    Inside a rank of the default group (W ranks). `models`: `"ours"` and `"torch"`, one model
+    sharded by each `fully_shard`, and `"ref"`, the same model unsharded, trained in that
+    order. Step s: `between(s, model)` on each model if given, then the global batch
+    `batch(s)` (the same on every rank): the sharded models take this rank's `rows` rows of it
+    (rank r's are `[r * rows, (r + 1) * rows)`), the reference all of it, each
+    `loss(model, inputs, targets)` (a mean). For each `(want, got)` of `pairs`, e.g.
+    `("torch", "ours")`: the losses (the sharded ones averaged over the ranks) and every
+    gradient (`full_tensor()`, or None on both) agree (`assert_close_or_both_none` with `atol`
+    and `rtol`); after the last step, every parameter too.
+
+    Returns:
+        How many gradient comparisons were made (0 would mean nothing was checked).
+    """
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = slice(rank * rows, (rank + 1) * rows)
+    compared = 0
+    for step in range(steps):
+        if between is not None:
+            for m in models.values():
+                between(step, m)
+        x, target = batch(step)
+        losses = {}
+        for name, m in models.items():
+            xs, ts = (x, target) if name == "ref" else (x[mine], target[mine])
+            step_loss = loss(m, xs, ts)
+            step_loss.backward()
+            reported = step_loss.detach().clone()
+            if name != "ref":
+                dist.all_reduce(reported)
+                reported /= world
+            losses[name] = reported
+        named = {k: dict(m.named_parameters()) for k, m in models.items()}
+        for want, got in pairs:
+            what = f"step {step} loss {got} vs {want}"
+            assert_close_or_both_none(what, losses[got], losses[want], atol, rtol)
+            for n, p in named[got].items():
+                g, w = full_or_none(p.grad), full_or_none(named[want][n].grad)
+                assert_close_or_both_none(
+                    f"step {step} grad {n}: {got} vs {want}", g, w, atol, rtol
+                )
+                compared += 1
+        for opt in optims.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    named = {k: dict(m.named_parameters()) for k, m in models.items()}
+    for want, got in pairs:
+        for n, p in named[got].items():
+            w = _full(named[want][n].detach())
+            assert_close_or_both_none(f"param {n} vs {want}", _full(p.detach()), w, atol, rtol)
+    return compared
