@@ -24,12 +24,19 @@ Torch accepts silently (ours raises before changing anything, or before the firs
 
 Both accept: ``ignored_params`` holding a parameter of another module (skipped).
 
-Torch fails by accident (an ``AttributeError``, ``IndexError``, ``AssertionError`` or a
-``RuntimeError`` from deep inside; ours raises its ``FullyShard*Error`` of the class that fits,
-and does not copy the accident: a caller does not catch ``AttributeError`` from
-``fully_shard``): ``mesh`` a string or a process group, a tensor as the module, an empty list,
-a list holding a non-module, ``ignored_params`` a tensor, ``FSDPMeshInfo`` of a string or of a
-dim the mesh lacks, ``dp_mesh_dims`` a dict, a mesh info on an unnamed 3-D mesh.
+Torch fails by accident (an ``AttributeError``, ``IndexError``, ``AssertionError``,
+``ValueError`` or ``RuntimeError`` from deep inside; ours raises its ``FullyShard*Error`` of
+the class that fits, and does not copy the accident: a caller does not catch ``AttributeError``
+from ``fully_shard``): ``mesh`` a string or a process group, a tensor as the module, an empty
+list, a list holding a non-module, ``ignored_params`` a tensor, ``FSDPMeshInfo`` of a string or
+of a dim the mesh lacks, ``dp_mesh_dims`` a dict, a mesh info on an unnamed 3-D mesh, an
+all-gather extension inside a tensor-parallel DTensor ("not enough values to unpack").
+
+Not listed: an extension whose inputs cannot be padded on an uneven split (ours raises on every
+rank, tests/test_extensions.py; torch's ``fully_shard`` hangs one rank in the all-gather), and
+the cases that need an ``int`` ``reshard_after_forward`` below the shard world size (4 ranks,
+this file runs on 2; ours is checked in tests/test_extensions.py and
+tests/test_reshard_int.py).
 
 Torch raises a ``ValueError`` for a wrong type: ``reshard_after_forward="yes"`` and
 ``shard_placement_fn`` returning an int. Ours is a ``FullyShardArgumentTypeError``, both a
@@ -54,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fully_shard as ours
 from extension_stubs import BadSignature, PreOnly
@@ -69,6 +76,7 @@ from fully_shard import (
 )
 from harness import device_mesh, mesh_1d, run_distributed
 from parity import needs_torch_fsdp2_on_cpu
+from test_extensions import QMLP, Int8BlockWeight
 
 pytestmark = needs_torch_fsdp2_on_cpu
 
@@ -95,6 +103,18 @@ class _Extension(BadSignature):
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> Any:
         return (self,), None
+
+
+def _tensor_parallel_extension(fs: ShardFn) -> Any:
+    """An ``Int8BlockWeight`` as the local tensor of a TP ``Shard(0)`` DTensor, then forward."""
+    torch.manual_seed(0)
+    layer = QMLP(even=True).layers[0]  # weight (8, 6): 4 rows per TP rank
+    root = device_mesh((1, dist.get_world_size()), ("dp", "tp"))
+    tp = root["tp"]
+    local = layer.weight.detach().chunk(tp.size())[tp.get_local_rank()].clone()
+    layer.weight = nn.Parameter(DTensor.from_local(Int8BlockWeight(local, []), tp, [Shard(0)]))
+    layer.quantized_gather = True
+    return fs(layer, mesh=root["dp"])(torch.randn(2, layer.in_features))
 
 
 def _extension(kind: type[torch.Tensor]) -> nn.Module:
@@ -342,6 +362,11 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
         lambda fs: _forward(fs(_extension(BadSignature), mesh=mesh_1d())),
         None,
         FullyShardTypeError,
+    ),
+    "an extension inside a tensor-parallel DTensor": (
+        _tensor_parallel_extension,
+        ValueError,  # torch, by accident: "not enough values to unpack (expected 2, got 1)"
+        FullyShardNotImplementedError,
     ),
     "an extension parameter sharded on dim 1": (
         lambda fs: _forward(
