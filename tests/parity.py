@@ -28,6 +28,13 @@ them itself before comparing, as a user would with DDP or by hand.
 The implementation under test is whatever `shard` calls; `wrap_layers_then_root(shard_fn)`
 builds the usual bottom-up wrapping for any `fully_shard`-compatible callable, so the same test
 runs against ours and torch's `torch.distributed.fsdp.fully_shard`.
+
+Beside the template, the pieces of the tests it does not fit, each written once:
+`assert_stats_within` (what a test asks of its `ParityStats`), `step_beside_reference` (one
+step of a sharded model and its reference, for loops that change the model between steps),
+`train_on_rank_rows` (the checkpoint tests' training), and, side by side with torch's
+`fully_shard`, `assert_trains_like_torch` (ours vs torch's) and `train_beside_torch` (ours,
+torch's and the unsharded model).
 """
 
 from __future__ import annotations
@@ -169,70 +176,6 @@ def wrap_layers_then_root(
 def fsdp_gradient_sync(model: nn.Module, sync: bool) -> None:
     """A `set_gradient_sync` hook for `check_parity`: `model.set_requires_gradient_sync(sync)`."""
     model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule method
-
-
-def step_beside_reference(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    reference: nn.Module,
-    ref_opt: torch.optim.Optimizer,
-    batch: Batch,
-    local_rows: int,
-) -> tuple[Tensor, Tensor]:
-    """One optimizer step of a sharded model and of its unsharded reference, MSE loss.
-
-    For a loop that `check_parity` cannot run (the dtype changes mid-training, frozen
-    parameters the optimizer must not see). Inside a rank of the default group: the sharded
-    model trains on this rank's `local_rows` rows of the global `batch` (rank r's are
-    `[r * local_rows, (r + 1) * local_rows)`), the reference on the whole batch. Returns
-    (the sharded loss averaged over the ranks, the reference loss), to compare by the caller.
-    """
-    x, y = batch
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = slice(rank * local_rows, (rank + 1) * local_rows)
-    loss = F.mse_loss(model(x[mine]), y[mine])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    summed = loss.detach().clone()
-    dist.all_reduce(summed)
-    ref_loss = F.mse_loss(reference(x), y)
-    ref_loss.backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
-    return summed / world, ref_loss.detach()
-
-
-def train_on_rank_rows(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    batches: Sequence[Batch],
-    dp_rank: int,
-    dp_size: int,
-    *,
-    ranks: int,
-    group: dist.ProcessGroup | None = None,
-) -> list[float]:
-    """One step per global batch of `batches`; return each step's global mean loss.
-
-    Each step trains on this rank's share of the batch (slice `dp_rank` of `dp_size` equal
-    slices of its rows, `loss_fn`). The reported loss is the loss summed over `group` (None:
-    the default group) divided by `ranks`, that group's size; with one rank nothing is summed.
-    For a checkpoint test: the run that saves and the runs that load and continue report
-    losses that must agree whatever their layouts.
-    """
-    losses = []
-    for x, y in batches:
-        rows = x.size(0) // dp_size
-        loss = loss_fn(model(x[dp_rank * rows :][:rows]), y[dp_rank * rows :][:rows])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        total = loss.detach().double()
-        if ranks > 1:
-            dist.all_reduce(total, group=group)
-        losses.append(total.item() / ranks)
-    return losses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +491,75 @@ def assert_stats_within(stats: Mapping[str, Any], tol: float, *, grads: bool = T
             raise AssertionError(f"{key} = {stats[key]:.3e} > {tol:g}")
     if stats["zero_grad_params"]:
         raise AssertionError(f"gradients zero at every step: {stats['zero_grad_params']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loops the template does not cover
+# ---------------------------------------------------------------------------------------------
+
+
+def step_beside_reference(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    batch: Batch,
+    local_rows: int,
+) -> tuple[Tensor, Tensor]:
+    """One optimizer step of a sharded model and of its unsharded reference, MSE loss.
+
+    For a loop that `check_parity` cannot run (the dtype changes mid-training, frozen
+    parameters the optimizer must not see). Inside a rank of the default group: the sharded
+    model trains on this rank's `local_rows` rows of the global `batch` (rank r's are
+    `[r * local_rows, (r + 1) * local_rows)`), the reference on the whole batch. Returns
+    (the sharded loss averaged over the ranks, the reference loss), to compare by the caller.
+    """
+    x, y = batch
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = slice(rank * local_rows, (rank + 1) * local_rows)
+    loss = F.mse_loss(model(x[mine]), y[mine])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    summed = loss.detach().clone()
+    dist.all_reduce(summed)
+    ref_loss = F.mse_loss(reference(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return summed / world, ref_loss.detach()
+
+
+def train_on_rank_rows(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    dp_rank: int,
+    dp_size: int,
+    *,
+    ranks: int,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """One step per global batch of `batches`; return each step's global mean loss.
+
+    Each step trains on this rank's share of the batch (slice `dp_rank` of `dp_size` equal
+    slices of its rows, `loss_fn`). The reported loss is the loss summed over `group` (None:
+    the default group) divided by `ranks`, that group's size; with one rank nothing is summed.
+    For a checkpoint test: the run that saves and the runs that load and continue report
+    losses that must agree whatever their layouts.
+    """
+    losses = []
+    for x, y in batches:
+        rows = x.size(0) // dp_size
+        loss = loss_fn(model(x[dp_rank * rows :][:rows]), y[dp_rank * rows :][:rows])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        total = loss.detach().double()
+        if ranks > 1:
+            dist.all_reduce(total, group=group)
+        losses.append(total.item() / ranks)
+    return losses
 
 
 # ---------------------------------------------------------------------------------------------
