@@ -7,6 +7,8 @@ Two models, both small enough that a training step takes milliseconds:
 - `Transformer`: a Llama-style decoder (RMSNorm, causal attention with rotary embeddings and
   optional grouped-query heads, SwiGLU feed-forward, optionally tied output head).
 
+Beside them `SmallNet`, the fixed two-module net of the bad-input catalogues.
+
 Both keep their wrappable blocks in `self.layers` (an `nn.ModuleList`), so a test can shard each
 block and then the root. Every module that owns parameters or computed buffers has a
 `reset_parameters()` that re-initialises it from torch's global RNG, so the models also work
@@ -38,6 +40,7 @@ __all__ = [
     "ModelArgs",
     "RMSNorm",
     "RotaryEmbedding",
+    "SmallNet",
     "Transformer",
     "TransformerBlock",
     "apply_rotary",
@@ -128,6 +131,24 @@ class MLPStack(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, MLPBlock)  # narrows the ModuleList item for mypy
             layer.reset_parameters()
+
+
+class SmallNet(nn.Module):
+    """`inner` (Linear(5, 7) + ReLU, a Sequential) then `out` (Linear(7, 3)): (B, 5) -> (B, 3).
+
+    The model of the bad-input catalogues (tests/test_validation.py,
+    tests/test_dropin_validation.py): a nested submodule to shard as its own group, a root that
+    keeps `out`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(5, 7), nn.ReLU())
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y: Tensor = self.out(self.inner(x))
+        return y
 
 
 # ---------------------------------------------------------------------------------------------

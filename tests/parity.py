@@ -28,13 +28,20 @@ them itself before comparing, as a user would with DDP or by hand.
 The implementation under test is whatever `shard` calls; `wrap_layers_then_root(shard_fn)`
 builds the usual bottom-up wrapping for any `fully_shard`-compatible callable, so the same test
 runs against ours and torch's `torch.distributed.fsdp.fully_shard`.
+
+Beside the template, the pieces of the tests it does not fit, each written once:
+`assert_stats_within` (what a test asks of its `ParityStats`), `step_beside_reference` (one
+step of a sharded model and its reference, for loops that change the model between steps),
+`train_on_rank_rows` (the checkpoint tests' training), and, side by side with torch's
+`fully_shard`, `assert_trains_like_torch` (ours vs torch's) and `train_beside_torch` (ours,
+torch's and the unsharded model).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 import pytest
@@ -58,12 +65,18 @@ __all__ = [
     "ParityStats",
     "ShardFn",
     "assert_close_or_both_none",
+    "assert_stats_within",
+    "assert_trains_like_torch",
     "check_parity",
     "fsdp_gradient_sync",
     "full_or_none",
+    "global_and_rank_rows",
     "loss_fn",
     "make_float_batch",
     "make_token_batch",
+    "step_beside_reference",
+    "train_beside_torch",
+    "train_on_rank_rows",
     "wrap_layers_then_root",
 ]
 
@@ -111,6 +124,18 @@ def make_float_batch(n: int, gen: torch.Generator, *, in_dim: int, out_dim: int)
     x = torch.randn(n, in_dim, generator=gen)
     y = torch.randn(n, out_dim, generator=gen)
     return x, y
+
+
+def global_and_rank_rows(in_dim: int, rows: int, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """(global batch, this rank's rows of it), inside a rank of the default group.
+
+    The global batch is `W * rows` Gaussian rows of width `in_dim`, drawn from `seed`, so every
+    rank holds the same one; rank r's rows are `[r * rows, (r + 1) * rows)`, which makes an
+    unsharded replica's gradient on the global batch the mean over ranks of theirs.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(world * rows, in_dim, generator=torch.Generator().manual_seed(seed))
+    return x, x[rank * rows : (rank + 1) * rows]
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -452,3 +477,199 @@ def check_parity(
         n for n, p in params.items() if p.requires_grad and n not in ever_nonzero
     )
     return stats
+
+
+def assert_stats_within(stats: Mapping[str, Any], tol: float, *, grads: bool = True) -> None:
+    """A `check_parity` run (its `ParityStats`) stayed within `tol` and compared something.
+
+    The max loss and parameter differences (and, with `grads`, the max gradient difference)
+    are at most `tol`, and no trainable parameter had a zero gradient at every step.
+    """
+    keys = ("max_loss_diff", "max_grad_diff") if grads else ("max_loss_diff",)
+    for key in (*keys, "max_param_diff"):
+        if not stats[key] <= tol:
+            raise AssertionError(f"{key} = {stats[key]:.3e} > {tol:g}")
+    if stats["zero_grad_params"]:
+        raise AssertionError(f"gradients zero at every step: {stats['zero_grad_params']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loops the template does not cover
+# ---------------------------------------------------------------------------------------------
+
+
+def step_beside_reference(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    batch: Batch,
+    local_rows: int,
+) -> tuple[Tensor, Tensor]:
+    """One optimizer step of a sharded model and of its unsharded reference, MSE loss.
+
+    For a loop that `check_parity` cannot run (the dtype changes mid-training, frozen
+    parameters the optimizer must not see). Inside a rank of the default group: the sharded
+    model trains on this rank's `local_rows` rows of the global `batch` (rank r's are
+    `[r * local_rows, (r + 1) * local_rows)`), the reference on the whole batch. Returns
+    (the sharded loss averaged over the ranks, the reference loss), to compare by the caller.
+    """
+    x, y = batch
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = slice(rank * local_rows, (rank + 1) * local_rows)
+    loss = F.mse_loss(model(x[mine]), y[mine])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    summed = loss.detach().clone()
+    dist.all_reduce(summed)
+    ref_loss = F.mse_loss(reference(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return summed / world, ref_loss.detach()
+
+
+def train_on_rank_rows(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    dp_rank: int,
+    dp_size: int,
+    *,
+    ranks: int,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """One step per global batch of `batches`; return each step's global mean loss.
+
+    Each step trains on this rank's share of the batch (slice `dp_rank` of `dp_size` equal
+    slices of its rows, `loss_fn`). The reported loss is the loss summed over `group` (None:
+    the default group) divided by `ranks`, that group's size; with one rank nothing is summed.
+    For a checkpoint test: the run that saves and the runs that load and continue report
+    losses that must agree whatever their layouts.
+    """
+    losses = []
+    for x, y in batches:
+        rows = x.size(0) // dp_size
+        loss = loss_fn(model(x[dp_rank * rows :][:rows]), y[dp_rank * rows :][:rows])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        total = loss.detach().double()
+        if ranks > 1:
+            dist.all_reduce(total, group=group)
+        losses.append(total.item() / ranks)
+    return losses
+
+
+# ---------------------------------------------------------------------------------------------
+# Side by side with torch's fully_shard
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_trains_like_torch(
+    ours: nn.Module,
+    theirs: nn.Module,
+    make_batch: MakeBatch,
+    dp_world: int,
+    dp_rank: int,
+    *,
+    steps: int = 4,
+) -> None:
+    """Train one model sharded by ours and by torch's `fully_shard`; assert they stay equal.
+
+    Both start from the same values (the caller checks the layouts). Each step, on
+    `make_batch(2 * dp_world, generator seeded 1)`, both train with AdamW (lr 1e-2) on the
+    2 rows of data-parallel rank `dp_rank`, MSE loss; then this rank's losses must agree and
+    every parameter's `full_tensor()` too (rtol 1e-5, atol 1e-6). Every parameter must be a
+    DTensor.
+    """
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    theirs_params = dict(theirs.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+    for step in range(steps):
+        x, y = make_batch(2 * dp_world, gen)
+        losses = []
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            loss = F.mse_loss(model(x[mine]), y[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(
+                p.full_tensor(),  # type: ignore[attr-defined]  # a DTensor
+                theirs_params[name].full_tensor(),  # type: ignore[attr-defined]
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"step {step}: {name}",
+            )
+
+
+def train_beside_torch(
+    models: Mapping[str, nn.Module],
+    batch: Callable[[int], Batch],
+    loss: Callable[[nn.Module, Tensor, Tensor], Tensor],
+    rows: int,
+    *,
+    pairs: Sequence[tuple[str, str]],
+    atol: float,
+    rtol: float | None = None,
+    steps: int = 3,
+    between: Callable[[int, nn.Module], None] | None = None,
+) -> int:
+    """Train ours, torch's and the unsharded model with AdamW; compare them at every step.
+
+    Inside a rank of the default group (W ranks). `models`: `"ours"` and `"torch"`, one model
+    sharded by each `fully_shard`, and `"ref"`, the same model unsharded, trained in that
+    order. Step s: `between(s, model)` on each model if given, then the global batch
+    `batch(s)` (the same on every rank): the sharded models take this rank's `rows` rows of it
+    (rank r's are `[r * rows, (r + 1) * rows)`), the reference all of it, each
+    `loss(model, inputs, targets)` (a mean). For each `(want, got)` of `pairs`, e.g.
+    `("torch", "ours")`: the losses (the sharded ones averaged over the ranks) and every
+    gradient (`full_tensor()`, or None on both) agree (`assert_close_or_both_none` with `atol`
+    and `rtol`); after the last step, every parameter too.
+
+    Returns:
+        How many gradient comparisons were made (0 would mean nothing was checked).
+    """
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = slice(rank * rows, (rank + 1) * rows)
+    compared = 0
+    for step in range(steps):
+        if between is not None:
+            for m in models.values():
+                between(step, m)
+        x, target = batch(step)
+        losses = {}
+        for name, m in models.items():
+            xs, ts = (x, target) if name == "ref" else (x[mine], target[mine])
+            step_loss = loss(m, xs, ts)
+            step_loss.backward()
+            reported = step_loss.detach().clone()
+            if name != "ref":
+                dist.all_reduce(reported)
+                reported /= world
+            losses[name] = reported
+        named = {k: dict(m.named_parameters()) for k, m in models.items()}
+        for want, got in pairs:
+            what = f"step {step} loss {got} vs {want}"
+            assert_close_or_both_none(what, losses[got], losses[want], atol, rtol)
+            for n, p in named[got].items():
+                g, w = full_or_none(p.grad), full_or_none(named[want][n].grad)
+                assert_close_or_both_none(
+                    f"step {step} grad {n}: {got} vs {want}", g, w, atol, rtol
+                )
+                compared += 1
+        for opt in optims.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    named = {k: dict(m.named_parameters()) for k, m in models.items()}
+    for want, got in pairs:
+        for n, p in named[got].items():
+            w = _full(named[want][n].detach())
+            assert_close_or_both_none(f"param {n} vs {want}", _full(p.detach()), w, atol, rtol)
+    return compared

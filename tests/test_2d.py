@@ -10,7 +10,6 @@ at W = 1, after which training continues with the same losses.
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -35,9 +34,15 @@ from fully_shard import (
 from fully_shard._compat import strided_shard_handles_uneven
 from harness import device_mesh, mesh_1d, run_distributed
 from models import MLPStack, ModelArgs, Transformer
-from parity import check_parity, loss_fn, make_token_batch, wrap_layers_then_root
+from parity import (
+    assert_stats_within,
+    check_parity,
+    make_token_batch,
+    train_on_rank_rows,
+    wrap_layers_then_root,
+)
 from test_validation import assert_same, snapshot
-from tp_plan import apply_tp
+from tp_plan import apply_tp, chunk_piece
 
 # The same-dim case below is uneven: torch releases whose _StridedShard cannot describe that
 # (2.6) make fully_shard refuse it, which test_uneven_strided_split_is_refused_... checks.
@@ -100,9 +105,7 @@ def _hsdp_parity(model_name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("model_name", ["mlp", "transformer"])
 def test_hsdp_2x2_parity(model_name: str) -> None:
     for stats in run_distributed(_hsdp_parity, 4, model_name):
-        assert stats["max_loss_diff"] <= 1e-5
-        assert stats["max_param_diff"] <= 1e-5
-        assert not stats["zero_grad_params"]
+        assert_stats_within(stats, 1e-5, grads=False)
 
 
 def _hsdp_layout_and_collectives() -> dict[str, int]:
@@ -148,17 +151,7 @@ def _tp_fsdp_parity(same_dim: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("same_dim", [pytest.param(False, id="free-dim"), SAME_DIM])
 def test_tp_fsdp_2x2_parity(same_dim: bool) -> None:
     for stats in run_distributed(_tp_fsdp_parity, 4, same_dim):
-        assert stats["max_loss_diff"] <= 1e-5
-        assert stats["max_param_diff"] <= 1e-5
-        assert not stats["zero_grad_params"]
-
-
-def _chunk(t: Tensor, n: int, dim: int, i: int) -> Tensor:
-    """Piece ``i`` of ``n`` along ``dim``, split like ``torch.chunk`` (ceil-sized, maybe empty)."""
-    size = t.size(dim)
-    c = math.ceil(size / n)
-    lo = min(i * c, size)
-    return t.narrow(dim, lo, max(0, min(lo + c, size) - lo))
+        assert_stats_within(stats, 1e-5, grads=False)
 
 
 def _tp_fsdp_layout(same_dim: bool) -> list[str]:
@@ -177,10 +170,10 @@ def _tp_fsdp_layout(same_dim: bool) -> list[str]:
         dp_placement, tp_placement = p.placements
         # What TP gave this rank, then our dp chunk of that.
         tp_dims = [tp_placement.dim] if isinstance(tp_placement, Shard) else []
-        tp_local = _chunk(want, 2, tp_dims[0], tp_rank) if tp_dims else want
+        tp_local = chunk_piece(want, 2, tp_dims[0], tp_rank) if tp_dims else want
         free = [d for d in range(want.dim()) if d not in tp_dims]
         fsdp_dim = 0 if same_dim or not free else free[0]
-        expected_local = _chunk(tp_local, 2, fsdp_dim, dp_rank)
+        expected_local = chunk_piece(tp_local, 2, fsdp_dim, dp_rank)
         torch.testing.assert_close(p.to_local(), expected_local, rtol=0, atol=0, msg=name)
         if fsdp_dim in tp_dims:
             assert type(dp_placement).__name__ == "_StridedShard", (name, p.placements)
@@ -210,20 +203,9 @@ def _train(
     model: nn.Module, optim: torch.optim.Optimizer, steps: range, dp_rank: int, dp_size: int
 ) -> list[float]:
     """Train on the global batches of ``steps``; return the global mean loss of each."""
-    losses = []
-    batches = _batches()
-    for step in steps:
-        x, y = batches[step]
-        rows = x.size(0) // dp_size
-        loss = loss_fn(model(x[dp_rank * rows :][:rows]), y[dp_rank * rows :][:rows])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        mean = loss.detach().double()
-        if dp_size > 1:
-            dist.all_reduce(mean, group=mesh_group(dp_size))
-        losses.append(mean.item() / dp_size)
-    return losses
+    batches = _batches()[steps.start : steps.stop]  # steps: a range of step numbers
+    group = mesh_group(dp_size) if dp_size > 1 else None  # the dp ranks: TP peers see the same
+    return train_on_rank_rows(model, optim, batches, dp_rank, dp_size, ranks=dp_size, group=group)
 
 
 def mesh_group(dp_size: int) -> dist.ProcessGroup:

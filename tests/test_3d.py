@@ -18,7 +18,6 @@ runs: (2, 2, 1), (1, 2, 2), (2, 1, 2). Checked against
 from __future__ import annotations
 
 import functools
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fully_shard import fully_shard
 from harness import device_mesh, mesh_1d, run_distributed
 from models import ModelArgs, Transformer
-from parity import check_parity, loss_fn, make_token_batch, needs_torch_fsdp2_on_cpu
+from parity import (
+    assert_stats_within,
+    check_parity,
+    make_token_batch,
+    needs_torch_fsdp2_on_cpu,
+    train_on_rank_rows,
+)
 from test_docs import _run_example
-from tp_plan import apply_tp
+from tp_plan import apply_tp, chunk_piece
 
 SHAPES = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
 NAMES = ("replicate", "shard", "tp")
@@ -65,13 +70,8 @@ def _shard_3d(
     **options: Any,
 ) -> None:
     """TP on ``root["tp"]``, then ``fsdp`` (ours or torch's) on each block and the root."""
-    assert isinstance(model, Transformer)
-    root = _root(shape)
-    assert dp_mesh == root["replicate", "shard"]
-    apply_tp(model, root["tp"])
-    for block in model.layers:
-        fsdp(block, mesh=dp_mesh, **options)
-    fsdp(model, mesh=dp_mesh, **options)
+    assert dp_mesh == _root(shape)["replicate", "shard"]
+    _tp_then_fsdp(model, shape, fsdp, **options)
 
 
 # -- parity against an unsharded replica -----------------------------------------------------
@@ -92,21 +92,10 @@ def _parity(shape: tuple[int, int, int]) -> dict[str, Any]:
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_hsdp_tp_3d_parity_with_unsharded(shape: tuple[int, int, int]) -> None:
     for stats in run_distributed(_parity, 4, shape, timeout=120):
-        assert stats["max_loss_diff"] <= 1e-5
-        assert stats["max_grad_diff"] <= 1e-5
-        assert stats["max_param_diff"] <= 1e-5
-        assert not stats["zero_grad_params"]
+        assert_stats_within(stats, 1e-5)
 
 
 # -- placements against torch's fully_shard --------------------------------------------------
-
-
-def _chunk(t: Tensor, n: int, dim: int, i: int) -> Tensor:
-    """Piece ``i`` of ``n`` along ``dim``, split like ``torch.chunk`` (ceil-sized, maybe empty)."""
-    size = t.size(dim)
-    c = math.ceil(size / n)
-    lo = min(i * c, size)
-    return t.narrow(dim, lo, max(0, min(lo + c, size) - lo))
 
 
 LAYOUT_SHAPES = [(2, 2), *SHAPES]  # the 2-D (dp, tp) mesh of test_2d.py, and the 3-D ones
@@ -167,10 +156,12 @@ def _layouts_vs_torch(shape: tuple[int, ...], same_as_torch: bool) -> list[str]:
         assert p.dim() == 2, (name, p.placements)
         assert dp == Shard(1), (name, p.placements)
         assert type(q.placements[-2]).__name__ == "_StridedShard", (name, q.placements)
-        expected = _chunk(_chunk(want[name], tp_size, 0, tp_rank), dp_size, 1, shard_rank)
+        expected = chunk_piece(chunk_piece(want[name], tp_size, 0, tp_rank), dp_size, 1, shard_rank)
         torch.testing.assert_close(p.to_local(), expected, rtol=0, atol=0, msg=name)
         # the same elements, split the other way: torch's rows of TP's rows
-        theirs_local = _chunk(_chunk(want[name], tp_size, 0, tp_rank), dp_size, 0, shard_rank)
+        theirs_local = chunk_piece(
+            chunk_piece(want[name], tp_size, 0, tp_rank), dp_size, 0, shard_rank
+        )
         torch.testing.assert_close(q.to_local(), theirs_local, rtol=0, atol=0, msg=name)
     return differing
 
@@ -218,20 +209,9 @@ def _train(
 ) -> list[float]:
     """Train on the global batches of ``steps``; return the global mean loss of each."""
     dp_size, dp_rank = dp
-    losses = []
-    batches = _batches()
-    for step in steps:
-        x, y = batches[step]
-        rows = x.size(0) // dp_size
-        loss = loss_fn(model(x[dp_rank * rows :][:rows]), y[dp_rank * rows :][:rows])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        total = loss.detach().double()
-        if dist.get_world_size() > 1:
-            dist.all_reduce(total)  # TP peers hold the same loss: the mean over all is the dp mean
-        losses.append(total.item() / dist.get_world_size())
-    return losses
+    batches = _batches()[steps.start : steps.stop]  # steps: a range of step numbers
+    # TP peers hold the same loss: the mean over all ranks is the dp mean
+    return train_on_rank_rows(model, optim, batches, dp_rank, dp_size, ranks=dist.get_world_size())
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:

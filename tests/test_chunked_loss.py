@@ -31,9 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fully_shard import MixedPrecisionPolicy, fully_shard
 from harness import mesh_1d, run_distributed
-from parity import assert_close_or_both_none as _compare
-from parity import full_or_none as _full
-from parity import needs_torch_fsdp2_on_cpu
+from parity import needs_torch_fsdp2_on_cpu, train_beside_torch
 
 pytestmark = needs_torch_fsdp2_on_cpu
 
@@ -114,40 +112,18 @@ def _chunked_side_by_side(tie: bool, use_checkpoint: bool, mixed: bool) -> int:
     # bf16 compute: the fp32 reference differs by rounding; torch computes what we compute.
     pairs = [("torch", "ours")] + ([] if mixed else [("ref", "ours")])
     atol = 2e-3 if mixed else 1e-5
-    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
-    world, rank = dist.get_world_size(), dist.get_rank()
-    compared = 0
-    for step in range(3):
+    world = dist.get_world_size()
+
+    def batch(step: int) -> tuple[Tensor, Tensor]:
         gen = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(0, VOCAB, (world * ROWS, SEQ), generator=gen)
         targets = torch.randint(0, VOCAB, (world * ROWS, SEQ), generator=gen)
-        mine = slice(rank * ROWS, (rank + 1) * ROWS)
-        losses = {}
-        for name, m in models.items():
-            x, t = (ids, targets) if name == "ref" else (ids[mine], targets[mine])
-            loss = chunked_loss(m, m(x), t)
-            loss.backward()
-            reported = loss.detach().clone()
-            if name != "ref":
-                dist.all_reduce(reported)
-                reported /= world
-            losses[name] = reported
-        named = {k: dict(m.named_parameters()) for k, m in models.items()}
-        for want, got in pairs:
-            _compare(f"step {step} loss {got} vs {want}", losses[got], losses[want], atol)
-            for n, p in named[got].items():
-                g, w = _full(p.grad), _full(named[want][n].grad)
-                _compare(f"step {step} grad {n}: {got} vs {want}", g, w, atol)
-                compared += 1
-        for opt in optims.values():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    named = {k: dict(m.named_parameters()) for k, m in models.items()}
-    for want, _ in pairs:
-        for n, p in named["ours"].items():
-            w = _full(named[want][n].detach())
-            _compare(f"param {n} vs {want}", _full(p.detach()), w, atol)
-    return compared
+        return ids, targets
+
+    def loss(m: Any, x: Tensor, t: Tensor) -> Tensor:  # m: a ChunkedLM
+        return chunked_loss(m, m(x), t)
+
+    return train_beside_torch(models, batch, loss, ROWS, pairs=pairs, atol=atol)
 
 
 @pytest.mark.parametrize("world", [2, 3])

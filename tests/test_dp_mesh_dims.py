@@ -37,7 +37,13 @@ from fully_shard import (
     fully_shard,
 )
 from harness import device_mesh, run_distributed
-from parity import check_parity, make_float_batch, needs_torch_fsdp2_on_cpu
+from parity import (
+    assert_stats_within,
+    assert_trains_like_torch,
+    check_parity,
+    make_float_batch,
+    needs_torch_fsdp2_on_cpu,
+)
 from test_validation import assert_same, snapshot
 
 DIMS = [7, 12, 5]  # in, hidden (split by tp and dp), out
@@ -154,10 +160,7 @@ def _parity(scenario: str) -> dict[str, Any]:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_dp_mesh_dims_parity_with_unsharded(scenario: str) -> None:
     for stats in run_distributed(_parity, 4, scenario, timeout=120):
-        assert stats["max_loss_diff"] <= 1e-5
-        assert stats["max_grad_diff"] <= 1e-5
-        assert stats["max_param_diff"] <= 1e-5
-        assert not stats["zero_grad_params"]
+        assert_stats_within(stats, 1e-5)
 
 
 # -- against torch's fully_shard with the same arguments ------------------------------------
@@ -189,26 +192,7 @@ def _train_both(scenario: str, torch_placement: bool) -> list[str]:
             assert p.placements == q.placements, (name, p.placements, q.placements)
             assert torch.equal(p.to_local(), q.to_local()), name
     world, rank = _dp_coordinates(sc)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    gen = torch.Generator().manual_seed(1)
-    for step in range(4):
-        x, y = make_batch(2 * world, gen)
-        losses = []
-        for model, opt in zip((ours, theirs), opts, strict=True):
-            loss = F.mse_loss(model(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6, msg=f"step {step}")
-        for name, p in ours.named_parameters():
-            torch.testing.assert_close(
-                p.full_tensor(),
-                theirs_params[name].full_tensor(),
-                rtol=1e-5,
-                atol=1e-6,
-                msg=f"step {step}: {name}",
-            )
+    assert_trains_like_torch(ours, theirs, make_batch, world, rank, steps=4)
     return seen
 
 

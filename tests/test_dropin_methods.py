@@ -367,48 +367,45 @@ class _Counts:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class TorchStyleAllGather(_Counts, TorchAllGather):
+class _CountingAllGather(_Counts):
+    """An all-gather that counts its calls and allocations, then gathers as torch does."""
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        self.calls += 1
+        return _all_gather(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(_Counts):
+    """A reduce-scatter that counts its calls and allocations, then reduces as torch does."""
+
+    def __call__(
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self.calls += 1
+        return _reduce_scatter(output_tensor, input_tensor, group, op)
+
+
+class TorchStyleAllGather(_CountingAllGather, TorchAllGather):
     """A subclass of torch's own AllGather: accepted by ours too."""
 
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> Any:
-        self.calls += 1
-        return _all_gather(output_tensor, input_tensor, group, async_op)
+
+class TorchStyleReduceScatter(_CountingReduceScatter, TorchReduceScatter):
+    """A subclass of torch's own ReduceScatter: accepted by ours too."""
 
 
-class TorchStyleReduceScatter(_Counts, TorchReduceScatter):
-    def __call__(
-        self,
-        output_tensor: Tensor,
-        input_tensor: Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        self.calls += 1
-        return _reduce_scatter(output_tensor, input_tensor, group, op)
+class OurAllGather(_CountingAllGather, AllGather):
+    """A subclass of our AllGather."""
 
 
-class OurAllGather(_Counts, AllGather):
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> Any:
-        self.calls += 1
-        return _all_gather(output_tensor, input_tensor, group, async_op)
-
-
-class OurReduceScatter(_Counts, ReduceScatter):
-    def __call__(
-        self,
-        output_tensor: Tensor,
-        input_tensor: Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        self.calls += 1
-        return _reduce_scatter(output_tensor, input_tensor, group, op)
+class OurReduceScatter(_CountingReduceScatter, ReduceScatter):
+    """A subclass of our ReduceScatter."""
 
 
 def _custom_comms(our_classes: bool) -> list[int]:

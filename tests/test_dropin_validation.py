@@ -25,16 +25,7 @@ from fully_shard import (
     fully_shard,
 )
 from harness import device_mesh, mesh_1d, run_distributed
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(5, 7), nn.ReLU())
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.inner(x))  # type: ignore[no-any-return]
+from models import SmallNet
 
 
 class _NoAllocate:
@@ -271,7 +262,7 @@ def _run_case(index: int) -> None:
     case = CASES[index]
     mesh = device_mesh((2, 2), ("replicate", "shard")) if case.hsdp else mesh_1d()
     torch.manual_seed(0)
-    model = Net()
+    model = SmallNet()
     fully_shard(model.inner, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if case.setup is not None:
@@ -296,7 +287,7 @@ def _dp_mesh_dims_cases() -> None:
         (DataParallelMeshDims(shard="dp"), FullyShardValueError, ValueError, "mesh_dim_names"),
         ("dp", FullyShardTypeError, TypeError, "DataParallelMeshDims or None"),
     ):
-        model = Net()
+        model = SmallNet()
         classes = [type(m) for m in model.modules()]
         params = [id(p) for p in model.parameters()]
         with pytest.raises(error, match=match) as info:
@@ -304,7 +295,7 @@ def _dp_mesh_dims_cases() -> None:
         assert isinstance(info.value, builtin)
         assert [type(m) for m in model.modules()] == classes
         assert [id(p) for p in model.parameters()] == params
-    fully_shard(Net(), mesh=mesh_1d(), dp_mesh_dims=None)
+    fully_shard(SmallNet(), mesh=mesh_1d(), dp_mesh_dims=None)
 
 
 def test_dp_mesh_dims_is_refused_before_any_change() -> None:

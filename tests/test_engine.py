@@ -13,6 +13,7 @@ rule of DESIGN.md (``ceil(dim0 / W)`` rows per rank, float32), never from the en
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 from typing import Any
@@ -33,7 +34,7 @@ from fully_shard import (
 )
 from harness import device_mesh, mesh_1d, run_distributed
 from models import MLPBlock, ModelArgs, Transformer
-from parity import check_parity, make_token_batch, wrap_layers_then_root
+from parity import check_parity, global_and_rank_rows, make_token_batch, wrap_layers_then_root
 
 DIMS = (7, 13, 5, 11, 3)
 ROWS = 2  # rows per rank per micro-batch
@@ -72,10 +73,7 @@ class Net(nn.Module):
 
 
 def _shard_net(model: Net, **options: Any) -> CountingComm:
-    mesh = mesh_1d()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
+    wrap_layers_then_root(fully_shard, **options)(model, mesh_1d())
     comm = CountingComm()
     model.set_comm(comm)  # type: ignore[operator]  # an FSDPModule method after fully_shard
     return comm
@@ -96,11 +94,8 @@ def _setup(
     return model, replica, _shard_net(model, **options)
 
 
-def _batch(seed: int = 1) -> tuple[Tensor, Tensor]:
-    """(global batch of W * ROWS rows, this rank's ROWS of it)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    x = torch.randn(world * ROWS, DIMS[0], generator=torch.Generator().manual_seed(seed))
-    return x, x[rank * ROWS : (rank + 1) * ROWS]
+#: (global batch of W * ROWS rows, this rank's ROWS of it); `_batch(seed)` for another one.
+_batch = functools.partial(global_and_rank_rows, DIMS[0], ROWS)
 
 
 def _loss(out: Tensor) -> Tensor:

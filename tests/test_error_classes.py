@@ -10,27 +10,41 @@ Torch raises ``AssertionError`` (``fully_shard`` twice on one module, ``shard_pl
 returning ``Shard(5)`` on a 2-D weight or ``Shard(1)`` on a 1-D bias): ours is a
 ``FullyShardAssertionError``, both the ``ValueError`` it is and the ``AssertionError`` torch
 raises. Meshes: a 3-D mesh (``ValueError`` in both), parameters still on the meta device at the
-first forward (``RuntimeError`` in both).
+first forward (``RuntimeError`` in both), ``FSDPMeshInfo`` without ``shard_mesh_dim`` and
+``HSDPMeshInfo`` without ``replicate_mesh_dim`` (``AssertionError`` in both), and with
+``dp_mesh_dims`` a dim name the mesh lacks, a mesh without dim names, or plain parameters
+(``ValueError`` in both).
 
 Torch accepts silently (ours raises before changing anything, or before the first gather):
   ``mp_policy`` a dict or a dtype, ``offload_policy`` a string, parameters of mixed dtypes,
   parameters on meta and CPU mixed; an all-gather extension with only a pre hook, one whose
-  pre hook takes neither of torch's argument lists, and one sharded on dim 1.
+  pre hook takes neither of torch's argument lists, and one sharded on dim 1;
+  ``dp_mesh_dims`` naming only a replicate dim, ``DataParallelMeshDims(shard=3)``, an
+  ``HSDPMeshInfo`` for a ``(shard, replicate)`` mesh (dims in the order ours does not read).
 
 Both accept: ``ignored_params`` holding a parameter of another module (skipped).
 
-Torch fails by accident (an ``AttributeError``, ``IndexError`` or a ``RuntimeError`` from
-deep inside; ours raises its ``FullyShard*Error`` of the class that fits, and does not copy
-the accident: a caller does not catch ``AttributeError`` from ``fully_shard``): ``mesh`` a
-string or a process group, a tensor as the module, an empty list, a list holding a
-non-module, ``ignored_params`` a tensor.
+Torch fails by accident (an ``AttributeError``, ``IndexError``, ``AssertionError``,
+``ValueError`` or ``RuntimeError`` from deep inside; ours raises its ``FullyShard*Error`` of
+the class that fits, and does not copy the accident: a caller does not catch ``AttributeError``
+from ``fully_shard``): ``mesh`` a string or a process group, a tensor as the module, an empty
+list, a list holding a non-module, ``ignored_params`` a tensor, ``FSDPMeshInfo`` of a string or
+of a dim the mesh lacks, ``dp_mesh_dims`` a dict, a mesh info on an unnamed 3-D mesh, an
+all-gather extension inside a tensor-parallel DTensor ("not enough values to unpack").
+
+Not listed: an extension whose inputs cannot be padded on an uneven split (ours raises on every
+rank, tests/test_extensions.py; torch's ``fully_shard`` hangs one rank in the all-gather), and
+the cases that need an ``int`` ``reshard_after_forward`` below the shard world size (4 ranks,
+this file runs on 2; ours is checked in tests/test_extensions.py and
+tests/test_reshard_int.py).
 
 Torch raises a ``ValueError`` for a wrong type: ``reshard_after_forward="yes"`` and
 ``shard_placement_fn`` returning an int. Ours is a ``FullyShardArgumentTypeError``, both a
 ``TypeError`` (what it is) and a ``ValueError`` (what torch raises).
 
-Not in torch (``quantization_policy``): ours only, a ``ValueError`` for a bad policy value and
-a ``TypeError`` for a policy that is not a ``QuantizationPolicy``.
+Not in torch (``quantization_policy``): ours only, a ``ValueError`` for a bad policy value
+(``all_gather="int4"``, ``block_size=0``) and a ``TypeError`` for a value of the wrong type
+(``all_gather=8``, ``block_size="256"``) or a policy that is not a ``QuantizationPolicy``.
 
 Torch refuses, ours accepts: a non-contiguous parameter (``NotImplementedError`` in torch);
 ours trains it at parity (tests/test_containers.py).
@@ -45,10 +59,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference, tests only
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import fully_shard as ours
+from extension_stubs import BadSignature, PreOnly
 from fully_shard import (
     FullyShardError,
     FullyShardNotImplementedError,
@@ -58,8 +74,9 @@ from fully_shard import (
     QuantizationPolicy,
     fully_shard,
 )
-from harness import mesh_1d, run_distributed
+from harness import device_mesh, mesh_1d, run_distributed
 from parity import needs_torch_fsdp2_on_cpu
+from test_extensions import QMLP, Int8BlockWeight
 
 pytestmark = needs_torch_fsdp2_on_cpu
 
@@ -81,28 +98,23 @@ def _twice(fs: ShardFn) -> Any:
     return fs(fs(_net(), mesh=mesh_1d()), mesh=mesh_1d())
 
 
-class _PreOnly(torch.Tensor):
-    """Half an all-gather extension: a pre hook without its post hook."""
-
-    def fsdp_pre_all_gather(self, mesh: Any) -> Any:
-        return (self,), None
-
-
-class _BadSignature(torch.Tensor):
-    """An all-gather extension whose pre hook takes neither of torch's argument lists."""
-
-    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any) -> Any:
-        return (self,), None
-
-    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, dtype: Any, **kw: Any) -> Any:
-        return outputs[0], ()
-
-
-class _Extension(_BadSignature):
+class _Extension(BadSignature):
     def fsdp_pre_all_gather(  # type: ignore[override]  # torch's full argument list
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> Any:
         return (self,), None
+
+
+def _tensor_parallel_extension(fs: ShardFn) -> Any:
+    """An ``Int8BlockWeight`` as the local tensor of a TP ``Shard(0)`` DTensor, then forward."""
+    torch.manual_seed(0)
+    layer = QMLP(even=True).layers[0]  # weight (8, 6): 4 rows per TP rank
+    root = device_mesh((1, dist.get_world_size()), ("dp", "tp"))
+    tp = root["tp"]
+    local = layer.weight.detach().chunk(tp.size())[tp.get_local_rank()].clone()
+    layer.weight = nn.Parameter(DTensor.from_local(Int8BlockWeight(local, []), tp, [Shard(0)]))
+    layer.quantized_gather = True
+    return fs(layer, mesh=root["dp"])(torch.randn(2, layer.in_features))
 
 
 def _extension(kind: type[torch.Tensor]) -> nn.Module:
@@ -114,6 +126,48 @@ def _extension(kind: type[torch.Tensor]) -> nn.Module:
 
 def _forward(model: Any) -> Any:
     return model(torch.randn(2, model[0].in_features))
+
+
+def _api(fs: ShardFn) -> dict[str, Any]:
+    """The mesh-info classes and ``DataParallelMeshDims`` that go with ``fs``: torch's or ours."""
+    if fs is torch_fully_shard:
+        from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+        from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+        return {
+            "FSDPMeshInfo": _fsdp_common.FSDPMeshInfo,
+            "HSDPMeshInfo": _fsdp_common.HSDPMeshInfo,
+            "ShardPlacementResult": _fsdp_common.ShardPlacementResult,
+            "DataParallelMeshDims": TorchDims,
+        }
+    names = ("FSDPMeshInfo", "HSDPMeshInfo", "ShardPlacementResult", "DataParallelMeshDims")
+    return {name: getattr(ours, name) for name in names}
+
+
+def _dp_mesh() -> DeviceMesh:
+    return device_mesh((dist.get_world_size(),), ("dp",))
+
+
+def _spmd_net(mesh: DeviceMesh) -> nn.Module:
+    """``_net()`` with every parameter a ``Replicate()`` DTensor on ``mesh`` (full-SPMD mode)."""
+    model = _net()
+    for module in model:
+        for name, p in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim)
+            setattr(module, name, nn.Parameter(dt))
+    return model
+
+
+def _with_dp_mesh_dims(fs: ShardFn, mesh: DeviceMesh | None = None, **dims: Any) -> Any:
+    mesh = _dp_mesh() if mesh is None else mesh
+    return fs(_spmd_net(mesh), mesh=mesh, dp_mesh_dims=_api(fs)["DataParallelMeshDims"](**dims))
+
+
+def _with_mesh_info(fs: ShardFn, kind: str, mesh: DeviceMesh, **dims: int) -> Any:
+    """Every parameter's ``shard_placement_fn`` answer: ``Shard(0)`` over one mesh info."""
+    api = _api(fs)
+    result = api["ShardPlacementResult"](Shard(0), api[kind](mesh, **dims))
+    return _forward(fs(_net(), mesh=mesh_1d(), shard_placement_fn=lambda p: result))
 
 
 # The call is not one torch's fully_shard can take (an argument it does not have): ours only.
@@ -227,17 +281,92 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
         RuntimeError,
         FullyShardStateError,
     ),
+    "FSDPMeshInfo without shard_mesh_dim": (
+        lambda fs: _api(fs)["FSDPMeshInfo"](mesh_1d()),
+        AssertionError,
+        FullyShardValueError,  # a FullyShardAssertionError
+    ),
+    "HSDPMeshInfo without replicate_mesh_dim": (
+        lambda fs: _api(fs)["HSDPMeshInfo"](device_mesh((1, 2), ("r", "s")), shard_mesh_dim=1),
+        AssertionError,
+        FullyShardValueError,  # a FullyShardAssertionError
+    ),
+    "dp_mesh_dims naming a dim the mesh lacks": (
+        lambda fs: _with_dp_mesh_dims(fs, shard="data"),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "dp_mesh_dims on a mesh without dim names": (
+        lambda fs: _with_dp_mesh_dims(fs, mesh_1d(), shard="dp"),
+        ValueError,
+        FullyShardValueError,
+    ),
+    "dp_mesh_dims with plain parameters": (
+        lambda fs: fs(
+            _net(), mesh=_dp_mesh(), dp_mesh_dims=_api(fs)["DataParallelMeshDims"](shard="dp")
+        ),
+        ValueError,
+        FullyShardValueError,
+    ),
+    # meshes: torch fails by accident
+    "FSDPMeshInfo of a string": (
+        lambda fs: _api(fs)["FSDPMeshInfo"]("dp", shard_mesh_dim=0),
+        AttributeError,
+        FullyShardTypeError,
+    ),
+    "FSDPMeshInfo shard_mesh_dim=1 of a 1-D mesh": (
+        lambda fs: _api(fs)["FSDPMeshInfo"](mesh_1d(), shard_mesh_dim=1),
+        IndexError,
+        FullyShardValueError,
+    ),
+    "dp_mesh_dims a dict": (
+        lambda fs: fs(_spmd_net(_dp_mesh()), mesh=_dp_mesh(), dp_mesh_dims={"shard": "dp"}),
+        AttributeError,
+        FullyShardTypeError,
+    ),
+    "a mesh info on an unnamed 3-D mesh": (
+        lambda fs: _with_mesh_info(fs, "FSDPMeshInfo", device_mesh((1, 1, 2)), shard_mesh_dim=2),
+        AssertionError,  # torch: "Expected mesh_dim_names to not be None"
+        FullyShardValueError,
+    ),
+    # meshes: torch accepts silently
+    "dp_mesh_dims naming only a replicate dim": (
+        lambda fs: _with_dp_mesh_dims(fs, replicate="dp"),
+        None,
+        FullyShardNotImplementedError,
+    ),
+    "DataParallelMeshDims(shard=3)": (
+        lambda fs: _api(fs)["DataParallelMeshDims"](shard=3),
+        None,
+        FullyShardTypeError,
+    ),
+    "an HSDPMeshInfo for a (shard, replicate) mesh": (
+        lambda fs: _with_mesh_info(
+            fs,
+            "HSDPMeshInfo",
+            device_mesh((2, 1), ("s", "r")),
+            shard_mesh_dim=0,
+            replicate_mesh_dim=1,
+        ),
+        None,
+        FullyShardValueError,
+    ),
     # all-gather extensions: torch accepts (gathers the tensor plainly or fails later), ours
     # refuses before the first all-gather
     "an extension with a pre hook only": (
-        lambda fs: fs(_extension(_PreOnly), mesh=mesh_1d()),
+        lambda fs: fs(_extension(PreOnly), mesh=mesh_1d()),
         None,
         FullyShardTypeError,
     ),
     "an extension pre hook with a bad signature": (
-        lambda fs: _forward(fs(_extension(_BadSignature), mesh=mesh_1d())),
+        lambda fs: _forward(fs(_extension(BadSignature), mesh=mesh_1d())),
         None,
         FullyShardTypeError,
+    ),
+    "an extension inside a tensor-parallel DTensor": (
+        _tensor_parallel_extension,
+        ValueError,  # torch, by accident: "not enough values to unpack (expected 2, got 1)"
+        FullyShardNotImplementedError,
     ),
     "an extension parameter sharded on dim 1": (
         lambda fs: _forward(
@@ -258,6 +387,18 @@ CASES: dict[str, tuple[Callable[[ShardFn], Any], type | None, type | None]] = {
         lambda fs: fs(_net(), mesh=mesh_1d(), quantization_policy=QuantizationPolicy(block_size=0)),
         NOT_IN_TORCH,
         FullyShardValueError,
+    ),
+    "QuantizationPolicy(all_gather=8)": (
+        lambda fs: fs(_net(), mesh=mesh_1d(), quantization_policy=QuantizationPolicy(all_gather=8)),
+        NOT_IN_TORCH,
+        FullyShardTypeError,
+    ),
+    "QuantizationPolicy(block_size='256')": (
+        lambda fs: fs(
+            _net(), mesh=mesh_1d(), quantization_policy=QuantizationPolicy(block_size="256")
+        ),
+        NOT_IN_TORCH,
+        FullyShardTypeError,
     ),
     "quantization_policy a string": (
         lambda fs: fs(_net(), mesh=mesh_1d(), quantization_policy="int8"),
@@ -298,6 +439,11 @@ SAME_CLASS = set(list(CASES)[:7]) | {
     "fully_shard twice",
     "a 3-D mesh",
     "meta parameters at the first forward",
+    "FSDPMeshInfo without shard_mesh_dim",
+    "HSDPMeshInfo without replicate_mesh_dim",
+    "dp_mesh_dims naming a dim the mesh lacks",
+    "dp_mesh_dims on a mesh without dim names",
+    "dp_mesh_dims with plain parameters",
 }
 
 

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from extension_stubs import BadSignature, PreOnly
 from fully_shard import (
     CountingComm,
     FullyShardNotImplementedError,
@@ -570,26 +571,13 @@ def test_the_wire_carries_what_the_pre_hook_returned(pad: bool) -> None:
 # -- refused up front, and bad hooks -----------------------------------------------------------
 
 
-class _PreOnly(torch.Tensor):
-    def fsdp_pre_all_gather(self, mesh: Any) -> Any:
-        return (self,), None
-
-
-class _BadSignature(torch.Tensor):
-    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any) -> Any:
-        return (self,), None
-
-    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, dtype: Any, *, out: Any = None):  # type: ignore[no-untyped-def]
-        return outputs[0], ()
-
-
 def _refusal(case: str) -> str:
     torch.manual_seed(0)
     model = QMLP(even=True)  # 8 rows: a tensor-parallel split of 2 x 4
     mesh = mesh_1d()
     kwargs: dict[str, Any] = {}
     if case in ("pre only", "bad signature"):
-        kind = _PreOnly if case == "pre only" else _BadSignature
+        kind = PreOnly if case == "pre only" else BadSignature
         model.layers[0].weight = nn.Parameter(model.layers[0].weight.detach().as_subclass(kind))
         error: type[Exception] = FullyShardTypeError
     else:

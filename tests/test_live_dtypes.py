@@ -20,14 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fully_shard import CountingComm, MixedPrecisionPolicy, fully_shard
 from harness import mesh_1d, run_distributed
 from models import MLPStack
-from parity import needs_torch_fsdp2_on_cpu
+from parity import needs_torch_fsdp2_on_cpu, step_beside_reference
 
 WORLD = 2
 DIMS = [6, 9, 5, 3]  # 9 rows: uneven over 2 ranks, so padding is gathered too
@@ -56,7 +54,6 @@ def _batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_across_to(impl: str, to_at: int, steps: int) -> dict[str, Any]:
     """Train ``steps`` AdamW steps; before step ``to_at`` call ``.to(torch.float64)`` on both
     the sharded model and the reference (and rebuild both optimizers for the new dtype)."""
-    rank = dist.get_rank()
     torch.manual_seed(0)
     model = MLPStack(DIMS, activation="tanh")
     reference = copy.deepcopy(model)
@@ -76,20 +73,11 @@ def _train_across_to(impl: str, to_at: int, steps: int) -> dict[str, Any]:
             reference.to(dtype)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        x, y = _batch(step, dtype)
-        mine = slice(rank * LOCAL_ROWS, (rank + 1) * LOCAL_ROWS)
-        loss = F.mse_loss(model(x[mine]), y[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        summed = loss.detach().clone()
-        dist.all_reduce(summed)
-        losses.append(summed / WORLD)
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.detach())
+        loss, ref_loss = step_beside_reference(
+            model, opt, reference, ref_opt, _batch(step, dtype), LOCAL_ROWS
+        )
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     params = dict(model.named_parameters())
     return {
         "losses": torch.stack(losses),

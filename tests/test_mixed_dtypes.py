@@ -19,13 +19,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import CountingComm, fully_shard
 from harness import mesh_1d, run_distributed
-from parity import needs_torch_fsdp2_on_cpu
+from parity import needs_torch_fsdp2_on_cpu, step_beside_reference
 
 DIM = 5
 LOCAL_ROWS = 2
@@ -102,7 +101,7 @@ def _gathered_values(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
 
 
 def _train(impl: str, frozen: str, shard_dim: int, steps: int) -> dict[str, Any]:
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = MixedModel(FROZEN_DTYPES[frozen])
     reference = copy.deepcopy(model)
@@ -118,19 +117,9 @@ def _train(impl: str, frozen: str, shard_dim: int, steps: int) -> dict[str, Any]
     for _ in range(steps):
         x = torch.randn(world * LOCAL_ROWS, DIM, generator=gen)
         y = torch.randn(world * LOCAL_ROWS, 3, generator=gen)
-        mine = slice(rank * LOCAL_ROWS, (rank + 1) * LOCAL_ROWS)
-        loss = F.mse_loss(model(x[mine]), y[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        summed = loss.detach().clone()
-        dist.all_reduce(summed)
-        losses.append(summed / world)
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.detach())
+        loss, ref_loss = step_beside_reference(model, opt, reference, ref_opt, (x, y), LOCAL_ROWS)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     params = dict(model.named_parameters())
     out: dict[str, Any] = {
         "losses": torch.stack(losses),

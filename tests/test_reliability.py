@@ -15,6 +15,7 @@ deep copy, and a global batch split over ranks; the replica's gradient is the me
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from fully_shard import CountingComm, FullyShardStateError, fully_shard
 from harness import mesh_1d, run_distributed
 from models import MLPBlock
+from parity import global_and_rank_rows, wrap_layers_then_root
 
 DIMS = (6, 9, 5, 7, 4)
 ROWS = 2  # rows per rank
@@ -63,20 +65,14 @@ def _setup(**options: Any) -> tuple[Net, Net, CountingComm]:
     torch.manual_seed(0)
     model = Net()
     replica = copy.deepcopy(model)
-    mesh = mesh_1d()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
+    wrap_layers_then_root(fully_shard, **options)(model, mesh_1d())
     comm = CountingComm()
     model.set_comm(comm)  # type: ignore[operator]  # an FSDPModule method
     return model, replica, comm
 
 
-def _batch(seed: int = 1) -> tuple[Tensor, Tensor]:
-    """(global batch, this rank's rows of it)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    x = torch.randn(world * ROWS, DIMS[0], generator=torch.Generator().manual_seed(seed))
-    return x, x[rank * ROWS : (rank + 1) * ROWS]
+#: (global batch of W * ROWS rows, this rank's ROWS of it); `_batch(seed)` for another one.
+_batch = functools.partial(global_and_rank_rows, DIMS[0], ROWS)
 
 
 def _loss(out: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fully_shard import MixedPrecisionPolicy, fully_shard
 from harness import mesh_1d, run_distributed
-from parity import assert_close_or_both_none, needs_torch_fsdp2_on_cpu
+from parity import assert_close_or_both_none, needs_torch_fsdp2_on_cpu, train_beside_torch
 from parity import full_or_none as _full
 
 pytestmark = needs_torch_fsdp2_on_cpu
@@ -116,41 +116,20 @@ def _side_by_side(
     models = {"ours": copy.deepcopy(base), "torch": copy.deepcopy(base), "ref": base}
     _wrap(models["ours"], fully_shard, **options[0])
     _wrap(models["torch"], torch_fully_shard, **options[1])
-    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
-    world, rank = dist.get_world_size(), dist.get_rank()
-    for step in range(steps):
-        if between is not None:
-            for m in models.values():
-                between(step, m)
+    world = dist.get_world_size()
+
+    def batch(step: int) -> tuple[Tensor, Tensor]:
         gen = torch.Generator().manual_seed(100 + step)
         x = torch.randn(world * ROWS, DIM, generator=gen)
-        target = torch.randn(world * ROWS, DIM, generator=gen)
-        mine = slice(rank * ROWS, (rank + 1) * ROWS)
-        losses = {}
-        for name, m in models.items():
-            xs, ts = (x, target) if name == "ref" else (x[mine], target[mine])
-            loss = ((m(xs).float() - ts) ** 2).mean()
-            loss.backward()
-            reported = loss.detach().clone()
-            if name != "ref":
-                dist.all_reduce(reported)
-                reported /= world
-            losses[name] = reported
-        named = {k: dict(m.named_parameters()) for k, m in models.items()}
-        pairs = [("torch", "ours")] + ([("ref", "ours")] if compare_ref else [])
-        for want, got in pairs:
-            _compare(f"step {step} loss {got} vs {want}", losses[got], losses[want], atol)
-            for n, p in named[got].items():
-                g, w = _full(p.grad), _full(named[want][n].grad)
-                _compare(f"step {step} grad {n}: {got} vs {want}", g, w, atol)
-        for opt in optims.values():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    named = {k: dict(m.named_parameters()) for k, m in models.items()}
-    for n, p in named["ours"].items():
-        _compare(f"param {n} vs torch", _full(p.detach()), _full(named["torch"][n].detach()), atol)
-        if compare_ref:
-            _compare(f"param {n} vs ref", _full(p.detach()), named["ref"][n].detach(), atol)
+        return x, torch.randn(world * ROWS, DIM, generator=gen)
+
+    def loss(m: nn.Module, x: Tensor, target: Tensor) -> Tensor:
+        return ((m(x).float() - target) ** 2).mean()
+
+    pairs = [("torch", "ours")] + ([("ref", "ours")] if compare_ref else [])
+    train_beside_torch(
+        models, batch, loss, ROWS, pairs=pairs, atol=atol, rtol=RTOL, steps=steps, between=between
+    )
 
 
 # -- LoRA: frozen weights beside trainable ones ----------------------------------------------

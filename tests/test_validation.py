@@ -30,16 +30,7 @@ from fully_shard import (
     register_fsdp_forward_method,
 )
 from harness import mesh_1d, run_distributed
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(5, 7), nn.ReLU())
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.inner(x))  # type: ignore[no-any-return]
+from models import SmallNet
 
 
 def snapshot(model: nn.Module) -> dict[str, Any]:
@@ -91,7 +82,7 @@ class Case:
     """One bad call: what to pass, which error, which words the message must contain."""
 
     name: str
-    call: Callable[[Net], object]
+    call: Callable[[SmallNet], object]
     error: type[Exception]
     words: tuple[str, ...]
 
@@ -104,28 +95,28 @@ def _shard2_fn(p: nn.Parameter) -> Shard:
     return Shard(2)
 
 
-def _mixed_devices(m: Net) -> object:
+def _mixed_devices(m: SmallNet) -> object:
     m.out.bias = nn.Parameter(torch.empty(3, device="meta"))
     return fully_shard(m, mesh=mesh_1d())
 
 
-def _mixed_dtypes(m: Net) -> object:
+def _mixed_dtypes(m: SmallNet) -> object:
     m.out.bias = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     return fully_shard(m, mesh=mesh_1d())
 
 
-def _scalar_param(m: Net) -> object:
+def _scalar_param(m: SmallNet) -> object:
     m.scale = nn.Parameter(torch.tensor(1.0))
     return fully_shard(m, mesh=mesh_1d())
 
 
-def _dtensor_param(m: Net) -> object:
+def _dtensor_param(m: SmallNet) -> object:
     mesh = mesh_1d()
     m.out.weight = nn.Parameter(distribute_tensor(m.out.weight.detach(), mesh, [Shard(0)]))
     return fully_shard(m.out, mesh=mesh)
 
 
-def _tied_across_groups(m: Net) -> object:
+def _tied_across_groups(m: SmallNet) -> object:
     m.out.weight = nn.Parameter(torch.randn(3, 7))
     m.extra = nn.Linear(7, 3)
     m.extra.weight = m.out.weight
@@ -133,7 +124,7 @@ def _tied_across_groups(m: Net) -> object:
     return fully_shard(m, mesh=mesh_1d())
 
 
-def _three_d_mesh(m: Net) -> object:
+def _three_d_mesh(m: SmallNet) -> object:
     return fully_shard(m, mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size())))
 
 
@@ -279,7 +270,7 @@ SETUP_CASES = [
 def _run_case(index: int) -> str:
     case = CASES[index]
     torch.manual_seed(0)
-    model = Net()
+    model = SmallNet()
     if case.name in ADDED_PARAM:
         # The case adds its offending parameter itself; _run_added_param_case checks that the
         # module stays unchanged from there on.
@@ -304,7 +295,7 @@ def _run_added_param_case(index: int) -> None:
     parameter (removing it) makes the same module shardable."""
     case = CASES[index]
     torch.manual_seed(0)
-    model = Net()
+    model = SmallNet()
     call = case.call
     # Re-run the case's own setup step by step: add the parameter, snapshot, then call.
     if call is _mixed_devices:
@@ -336,7 +327,7 @@ def _run_added_param_case(index: int) -> None:
 def _run_setup_case(index: int) -> None:
     case = SETUP_CASES[index]
     torch.manual_seed(0)
-    model = Net()
+    model = SmallNet()
     if case.call is _tied_across_groups:
         model.out.weight = nn.Parameter(torch.randn(3, 7))
         model.extra = nn.Linear(7, 3)
@@ -347,7 +338,7 @@ def _run_setup_case(index: int) -> None:
             fully_shard(model, mesh=mesh_1d())
         assert_same(before, snapshot(model))
         # The fix the message suggests: shard the tied pair in one group (the root).
-        fresh = Net()
+        fresh = SmallNet()
         fresh.extra = nn.Linear(7, 3)
         fresh.extra.weight = fresh.out.weight
         fully_shard(fresh, mesh=mesh_1d())
@@ -389,7 +380,7 @@ def test_catalogue_size() -> None:
 
 
 def _bad_runtime_calls() -> None:
-    model = Net()
+    model = SmallNet()
     fully_shard(model, mesh=mesh_1d())
     with pytest.raises(FullyShardTypeError, match="reshard_after_forward must be a bool"):
         model.set_reshard_after_forward("no")  # type: ignore[arg-type]
@@ -413,7 +404,7 @@ def test_bad_runtime_calls() -> None:
 def test_mesh_none_without_distributed() -> None:
     # The pytest process itself never initialises torch.distributed.
     assert not dist.is_initialized()
-    model = Net()
+    model = SmallNet()
     before = snapshot(model)
     with pytest.raises(FullyShardStateError, match="torchrun") as info:
         fully_shard(model)
@@ -424,17 +415,17 @@ def test_mesh_none_without_distributed() -> None:
 # -- inputs checked with their exact message ----------------------------------------------------
 
 
-def _cuda_mesh_on_a_cpu_process(m: Net) -> object:
+def _cuda_mesh_on_a_cpu_process(m: SmallNet) -> object:
     # A mesh object for a device type this process cannot use (no backend is created).
     mesh = DeviceMesh("cuda", torch.arange(dist.get_world_size()), _init_backend=False)
     return fully_shard(m, mesh=mesh)
 
 
-def _meta_bias(m: Net) -> None:
+def _meta_bias(m: SmallNet) -> None:
     m.inner[0].bias = nn.Parameter(torch.empty(7, device="meta"))
 
 
-def _half_bias(m: Net) -> None:
+def _half_bias(m: SmallNet) -> None:
     m.inner[0].bias = nn.Parameter(torch.zeros(7, dtype=torch.float16))
 
 
@@ -444,13 +435,13 @@ class ExactCase:
     first; the module must then stay as it was, and shard once the parameter is fixed."""
 
     name: str
-    call: Callable[[Net], object]
+    call: Callable[[SmallNet], object]
     error: type[Exception]
     message: str
-    setup: Callable[[Net], None] | None = None
+    setup: Callable[[SmallNet], None] | None = None
 
 
-def _shard_root(m: Net) -> object:
+def _shard_root(m: SmallNet) -> object:
     return fully_shard(m, mesh=mesh_1d())
 
 
@@ -514,7 +505,7 @@ EXACT_CASES = [
 def _run_exact_case(index: int) -> None:
     case = EXACT_CASES[index]
     torch.manual_seed(0)
-    model = Net()
+    model = SmallNet()
     if case.setup is not None:
         case.setup(model)
     before = snapshot(model)
@@ -535,7 +526,7 @@ def test_bad_input_exact_message(index: int) -> None:
 
 def test_mesh_none_without_distributed_exact_message() -> None:
     assert not dist.is_initialized()
-    model = Net()
+    model = SmallNet()
     before = snapshot(model)
     with pytest.raises(FullyShardStateError) as info:
         fully_shard(model)

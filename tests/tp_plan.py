@@ -8,7 +8,9 @@ up a DTensor on the TP mesh, so optimizer and `clip_grad_norm_` see one mesh.
 
 from __future__ import annotations
 
-from torch import nn
+import math
+
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -20,6 +22,18 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models import Attention, Transformer
+
+
+def chunk_piece(t: Tensor, n: int, dim: int, i: int) -> Tensor:
+    """Piece ``i`` of ``n`` along ``dim``, split like ``torch.chunk`` (ceil-sized, maybe empty).
+
+    What a rank holds of a weight that TP and then fully_shard split: the 2-D and 3-D tests
+    build the expected local tensor from the unsharded weight with it.
+    """
+    size = t.size(dim)
+    c = math.ceil(size / n)
+    lo = min(i * c, size)
+    return t.narrow(dim, lo, max(0, min(lo + c, size) - lo))
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
