@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from fully_shard import (
     CountingComm,
@@ -26,6 +29,7 @@ from fully_shard import (
 )
 from harness import mesh_1d, run_distributed
 from models import MLPStack
+from parity import needs_torch_fsdp2_on_cpu
 
 DIMS = [8, 24, 24, 6]
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -346,3 +350,70 @@ def test_an_offloaded_shard_stays_on_the_cpu_on_an_accelerator_mesh() -> None:
         # what the engine must not call on such a shard: it moves it to the GPU (or, on a
         # machine without CUDA such as CI's, fails trying)
         assert got["from_local"] == "cuda" or "CUDA" in str(got["from_local"]), got
+
+
+class _RecordingLinear(nn.Linear):
+    """Records the dtype of every input its forward sees (after the hooks' casts)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.inputs: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(str(x.dtype))
+        return super().forward(x)
+
+
+class _CheckpointedCall(nn.Module):
+    """Calls a sharded linear under non-reentrant activation checkpointing and records the
+    dtype it returns (after the hooks' casts): once in forward, once in the recomputation."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = _RecordingLinear()
+        self.outputs: list[str] = []
+        self.dtype = dtype  # what the checkpointed call gets, whatever the root's hooks did
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        self.outputs.append(str(out.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        # early_stop=False: the recomputation runs to the end, so its output is recorded too
+        return checkpoint(self._inner, x, use_reentrant=False, early_stop=False)  # type: ignore[no-any-return]
+
+
+def _recompute_dtypes(impl: str, cast: str) -> dict[str, list[str]]:
+    shard: Any = fully_shard
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard as shard
+    if cast == "inputs":  # fp32 inputs cast to bf16, as the parameters
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        dtype = torch.float32
+    else:  # bf16 inputs left as they are, outputs cast to fp32
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False
+        )
+        dtype = torch.bfloat16
+    torch.manual_seed(0)
+    model = _CheckpointedCall(dtype)
+    x = torch.randn(2, 4)
+    shard(model.linear, mesh=mesh_1d(), mp_policy=policy)
+    shard(model, mesh=mesh_1d(), mp_policy=policy)
+    model(x).float().sum().backward()
+    return {"inputs": model.linear.inputs, "outputs": model.outputs}
+
+
+@needs_torch_fsdp2_on_cpu
+@pytest.mark.parametrize("cast", ["inputs", "outputs"])
+def test_checkpoint_recomputation_casts_as_forward_did(cast: str) -> None:
+    # forward and its recomputation in backward see and return the same dtypes (torch's
+    # test_checkpoint_recompute_casts_*): without the casts the recomputation computes
+    # something else, or fails on mixed dtypes
+    out = "torch.bfloat16" if cast == "inputs" else "torch.float32"
+    want = {"inputs": ["torch.bfloat16"] * 2, "outputs": [out] * 2}
+    for impl in ("ours", "torch"):
+        for seen in run_distributed(_recompute_dtypes, 2, impl, cast):
+            assert seen == want, (impl, seen)

@@ -385,7 +385,7 @@ class FSDPState:
         if ctx.it.in_backward:  # recomputation under activation checkpointing
             if self.config.unshard_in_backward:  # as torch: off skips this gather too
                 self._unshard_now()
-            return args, kwargs
+            return self._cast_inputs(args, kwargs)  # recomputed exactly as it was computed
         it = self.it
         if self.is_root and it.forward_depth == 0:
             ctx.it.forward_running = True
@@ -416,12 +416,22 @@ class FSDPState:
             self._unshard_now()  # waits only for groups already in flight if prefetched
             self._prefetch(self._forward_targets(), backward=False)
         it.forward_depth += 1
-        input_dtype = self.config.mp_policy.forward_input_dtype()
-        if input_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), input_dtype)
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._hook_module_backward(args, kwargs)
         return args, kwargs
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        input_dtype = self.config.mp_policy.forward_input_dtype()
+        if input_dtype is None:
+            return args, kwargs
+        return _cast_floating((args, kwargs), input_dtype)  # type: ignore[no-any-return]
+
+    def _cast_output(self, output: Any) -> Any:
+        out_dtype = self.config.mp_policy.output_dtype
+        return output if out_dtype is None else _cast_floating(output, out_dtype)
 
     def _hook_module_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -442,8 +452,10 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         ctx = self.root
-        if ctx is None or ctx.it.in_backward:
+        if ctx is None:
             return output
+        if ctx.it.in_backward:  # recomputation under activation checkpointing: as in forward
+            return self._cast_output(output)
         it = self.it
         it.forward_depth -= 1
         it.modules_to_run.discard(id(module))
@@ -468,10 +480,7 @@ class FSDPState:
                 _assign_implicit_prefetch(ctx)
                 ctx.order_recorded = True
             self._release_unused_prefetches(ctx)
-        out_dtype = self.config.mp_policy.output_dtype
-        if out_dtype is not None:
-            output = _cast_floating(output, out_dtype)
-        return output
+        return self._cast_output(output)
 
     def _end_forward(self, ctx: RootContext) -> None:
         # Without an output that needs grad no backward will come to free the parameters.
