@@ -11,6 +11,7 @@ sub-groups of a 2-D mesh (whose group ranks differ from the global ranks).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,3 +93,24 @@ def test_gloo_collectives_on_2d_mesh_subgroups() -> None:
     for mesh_dim in (0, 1):
         for async_op in (False, True):
             run_distributed(_compare, 4, 333, "float32", async_op, True, mesh_dim)
+
+
+def test_torch_comm_calls_what_torch_distributed_holds_at_call_time(monkeypatch: Any) -> None:
+    # What patches torch.distributed after fully_shard (torch's FSDP2 tests delay and inspect
+    # collectives by patching all_gather_single / reduce_scatter_single) reaches ours too.
+    calls: list[str] = []
+    comm = TorchComm()  # created first, patched after, as a model is sharded before a test
+    name_ag = (
+        "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    )
+    name_rs = (
+        "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor"
+    )
+    monkeypatch.setattr(dist, name_ag, lambda *a, **k: calls.append(name_ag))
+    monkeypatch.setattr(dist, name_rs, lambda *a, **k: calls.append(name_rs))
+    out, inp = torch.empty(4), torch.empty(2)
+    comm._all_gather(out, inp, group=None, async_op=False)
+    comm._reduce_scatter(inp, out, op=dist.ReduceOp.SUM, group=None, async_op=False)
+    assert calls == [name_ag, name_rs]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -323,15 +323,19 @@ class TorchComm:
         >>> comm = TorchComm()
     """
 
-    def __init__(self) -> None:
-        # torch 2.13 renamed the flat-tensor collectives and deprecated the old names; older
-        # releases (2.6 ...) only have the old ones.
-        self._all_gather: Callable[..., dist.Work | None] = (
-            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        )
-        self._reduce_scatter: Callable[..., dist.Work | None] = (
-            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        )
+    # Looked up at every call, never bound once: what patches torch.distributed after
+    # fully_shard (torch's own FSDP2 tests delay and inspect collectives that way) sees ours
+    # too. torch 2.13 renamed the flat-tensor collectives and deprecated the old names; older
+    # releases (2.6 ...) only have the old ones.
+    @staticmethod
+    def _all_gather(*args: Any, **kwargs: Any) -> dist.Work | None:
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(*args, **kwargs)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _reduce_scatter(*args: Any, **kwargs: Any) -> dist.Work | None:
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return fn(*args, **kwargs)  # type: ignore[no-any-return]
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
