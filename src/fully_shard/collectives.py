@@ -255,8 +255,11 @@ class _ChunkOnWait:
             self._work.wait()
             self._work = None
         n = self._output.numel()
-        self._output.copy_(self._summed.narrow(0, self._rank * n, n))
-        divide_(self._output, self._divisor)
+        mine = self._summed.narrow(0, self._rank * n, n)
+        if self._divisor is None:
+            self._output.copy_(mine)
+        else:  # one pass over the chunk, not a copy and then a division (same bits)
+            torch.div(mine, self._divisor, out=self._output)
         self._divisor = None
         return True
 
