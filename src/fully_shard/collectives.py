@@ -557,11 +557,12 @@ def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
     ``flat_in`` is ``(total,)`` in the wire dtype (:func:`wire_dtype`), laid out as
     ``[input 0 | input 1 | ...]`` with the lengths of :func:`split_sizes`.
     """
-    whole = [gi.data.view(-1) for gi in inputs if _fills_its_slot(gi, flat_in.dtype)]
+    whole = [gi.data.view(-1) for gi in inputs if _fills_its_slot(gi, flat_in)]
     if whole and len(whole) == len(inputs):
-        # Every input is its whole padded shard, contiguous, in the wire dtype (the usual
-        # even split): one cat for the group instead of a view, a copy and a padding check
-        # per input. The same bytes land in the same places.
+        # Every input is its whole padded shard, contiguous, in the wire dtype, on the
+        # buffer's device (the usual even split; not an offloaded shard, whose copy is the
+        # host-to-device one below): one cat for the group instead of a view, a copy and a
+        # padding check per input. The same bytes land in the same places.
         torch.cat(whole, out=flat_in)
         return
     slots = torch.split(flat_in, split_sizes(inputs, flat_in.dtype))
@@ -577,12 +578,15 @@ def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
             slot.copy_(typed.view(torch.uint8))
 
 
-def _fills_its_slot(gi: GatherInput, wire: torch.dtype) -> bool:
-    """``gi.data`` is already its slot's bytes: no padding, no cast, contiguous."""
+def _fills_its_slot(gi: GatherInput, flat: torch.Tensor) -> bool:
+    """``gi.data`` is already its slot's bytes: a plain tensor (a subclass's own ops stay on
+    the per-input path), no padding, no cast, contiguous, on ``flat``'s device."""
     data = gi.data
     return (
-        data.dtype == wire
-        and gi.dtype == wire
+        type(data) is torch.Tensor
+        and data.dtype == flat.dtype
+        and gi.dtype == flat.dtype
+        and data.device == flat.device
         and data.is_contiguous()
         and data.size(gi.dim) == gi.padded_size[gi.dim]
     )
