@@ -255,8 +255,11 @@ class _ChunkOnWait:
             self._work.wait()
             self._work = None
         n = self._output.numel()
-        self._output.copy_(self._summed.narrow(0, self._rank * n, n))
-        divide_(self._output, self._divisor)
+        mine = self._summed.narrow(0, self._rank * n, n)
+        if self._divisor is None:
+            self._output.copy_(mine)
+        else:  # one pass over the chunk, not a copy and then a division (same bits)
+            torch.div(mine, self._divisor, out=self._output)
         self._divisor = None
         return True
 
@@ -558,6 +561,14 @@ def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
     ``flat_in`` is ``(total,)`` in the wire dtype (:func:`wire_dtype`), laid out as
     ``[input 0 | input 1 | ...]`` with the lengths of :func:`split_sizes`.
     """
+    whole = [gi.data.view(-1) for gi in inputs if _fills_its_slot(gi, flat_in)]
+    if whole and len(whole) == len(inputs):
+        # Every input is its whole padded shard, contiguous, in the wire dtype, on the
+        # buffer's device (the usual even split; not an offloaded shard, whose copy is the
+        # host-to-device one below): one cat for the group instead of a view, a copy and a
+        # padding check per input. The same bytes land in the same places.
+        torch.cat(whole, out=flat_in)
+        return
     slots = torch.split(flat_in, split_sizes(inputs, flat_in.dtype))
     for slot, gi in zip(slots, inputs, strict=True):
         if slot.dtype == gi.dtype:
@@ -569,6 +580,20 @@ def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
             typed = torch.empty(gi.numel, dtype=gi.dtype, device=slot.device)
             gi.write_typed(typed)
             slot.copy_(typed.view(torch.uint8))
+
+
+def _fills_its_slot(gi: GatherInput, flat: torch.Tensor) -> bool:
+    """``gi.data`` is already its slot's bytes: a plain tensor (a subclass's own ops stay on
+    the per-input path), no padding, no cast, contiguous, on ``flat``'s device."""
+    data = gi.data
+    return (
+        type(data) is torch.Tensor
+        and data.dtype == flat.dtype
+        and gi.dtype == flat.dtype
+        and data.device == flat.device
+        and data.is_contiguous()
+        and data.size(gi.dim) == gi.padded_size[gi.dim]
+    )
 
 
 def copy_out(

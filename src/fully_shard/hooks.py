@@ -131,7 +131,15 @@ def _labelled(kind: SpanKind) -> Callable[[_F], _F]:
     def wrap(hook: _F) -> _F:
         @functools.wraps(hook)
         def run(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
-            with _spans(self.groups, kind):
+            groups = self.groups
+            if len(groups) == 1:  # the usual case: group.span's begin / end, without the stacks
+                (group,) = groups
+                group.begin(kind)
+                try:
+                    return hook(self, *args, **kwargs)
+                finally:
+                    group.end(kind)
+            with _spans(groups, kind):
                 return hook(self, *args, **kwargs)
 
         return run  # type: ignore[return-value]  # same signature as hook

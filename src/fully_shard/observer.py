@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from ._compat import profiler_enabled
 from .collectives import Waitable
 
 SpanKind = Literal[
@@ -131,8 +132,11 @@ class ProfilerLabels:
 
     Labels read ``FSDP::<kind> (<group label>)``, e.g. ``FSDP::all_gather (layers.0)``, so
     TensorBoard, Perfetto and Holistic Trace Analysis views built for torch's FSDP2 find
-    them. Every group has one by default; while no profiler runs, a label costs one
-    ``record_function`` call (a few microseconds).
+    them. Every group has one by default; while no profiler records, a label costs one
+    check (``_compat.profiler_enabled``, 0.2 µs) and no ``record_function`` (6 µs): a label
+    is made only while a profiler records, which is when torch's own fast labels
+    (``_RecordFunctionFast``) record too. A span that began before the profiler started is
+    not labelled, as before (a ``record_function`` entered then recorded nothing either).
 
     Example:
         >>> with torch.profiler.profile() as prof:  # doctest: +SKIP
@@ -148,12 +152,17 @@ class ProfilerLabels:
     def begin(self, group: ObservedGroup, kind: SpanKind) -> None:
         if kind in ("forward", "backward"):  # span user code: torch labels only its hooks
             return
-        self.end(group, kind)  # one left open by an exception
+        if self._open:
+            self.end(group, kind)  # one left open by an exception
+        if not profiler_enabled():  # nothing would record the label: skip its cost
+            return
         rf = record_function(f"FSDP::{kind} ({group.label})")
         rf.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self._open[(id(group), kind)] = rf
 
     def end(self, group: ObservedGroup, kind: SpanKind) -> None:
+        if not self._open:
+            return
         rf = self._open.pop((id(group), kind), None)
         if rf is not None:
             rf.__exit__(None, None, None)
@@ -161,6 +170,8 @@ class ProfilerLabels:
     def collective(
         self, group: ObservedGroup, call: CollectiveCall, issue: Callable[[], Waitable | None]
     ) -> Waitable | None:
+        if not profiler_enabled():
+            return issue()
         with record_function(f"FSDP::{call.op} ({group.label})"):
             return issue()
 
