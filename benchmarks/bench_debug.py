@@ -72,6 +72,7 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         print(json.dumps(result))
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

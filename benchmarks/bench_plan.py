@@ -135,6 +135,7 @@ def _rank_main(rank: int, world: int, size: str, steps: int, port: int) -> None:
             pr = "-" if pred is None else f"{pred:,}"
             q = "-" if pred is None else f"{pred / m:.3f}"
             print(f"{name:<26} {pr:>12} {m:>12,} {q:>10} {ratio:>13.2f}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

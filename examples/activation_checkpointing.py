@@ -57,6 +57,7 @@ def main() -> None:
         log(f"step {step}: loss {loss.item():.4f}, {gathers} all-gathers in backward")
         if gathers != len(model.layers):  # each block once, for recompute and gradients
             raise RuntimeError(f"expected {len(model.layers)} all-gathers, got {gathers}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -64,6 +64,7 @@ def main() -> None:
     log(f"frames compiled after each step: {frames} ({args.order} order)")
     if frames != [frames[0]] * len(frames):
         raise SystemExit(f"recompiled after the first step: {frames}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -67,6 +67,7 @@ def main() -> None:
         gathered = sum(r.nbytes for r in comm.records if r.op == "all_gather")
         per_element = gathered * dist.get_world_size() / (2 * elements)
         log(f"step {step}: loss {loss.item():.4f}, {per_element:.2f} bytes per gathered element")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

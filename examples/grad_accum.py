@@ -43,6 +43,7 @@ def main() -> None:
                 raise RuntimeError(f"micro-batch {micro}: expected reduction only on the last")
         optim.step()
         optim.zero_grad()
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

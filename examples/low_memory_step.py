@@ -76,6 +76,7 @@ def main() -> None:
         loss.backward()  # every parameter's optimizer has stepped when this returns
         stepped = sum(1 for p in optims if steps_taken[p] == step + 1)
         log(f"step {step}: loss {loss.item():.4f}, {stepped} of {len(optims)} parameters stepped")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

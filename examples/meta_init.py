@@ -43,6 +43,7 @@ def main() -> None:
         optim.step()
         optim.zero_grad()
         log(f"step {step}: loss {loss.item():.4f}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

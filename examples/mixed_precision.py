@@ -52,6 +52,7 @@ def main() -> None:
     )
     if seen != {torch.bfloat16} or master != {torch.float32}:
         raise RuntimeError(f"unexpected dtypes: compute {seen}, master {master}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -149,6 +149,7 @@ def main() -> None:
             print(f"max |sharded - unsharded| over all parameters: {diff:.2e}")
         if diff > 1e-4:
             raise SystemExit(f"the sharded model drifted from the unsharded replica by {diff:.2e}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -39,6 +39,7 @@ def main() -> None:
     log(f"shards on {devices}, optimizer state on {states}")
     if devices != {"cpu"} or states != {"cpu"}:
         raise RuntimeError(f"offloaded state is not on the CPU: {devices}, {states}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -54,6 +54,7 @@ def main() -> None:
         log(
             f"step {step}: loss {loss.item():.4f}, {len(trainable)} of {total} parameters trainable"
         )
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -47,6 +47,7 @@ def main() -> None:
         optim.step()
         optim.zero_grad()
         log(f"step {step}: loss {loss.item():.4f}, planned peak {chosen.peak_bytes} bytes")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

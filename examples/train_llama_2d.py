@@ -116,6 +116,7 @@ def main() -> None:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
         if rank == 0:
             print(f"saved a DCP checkpoint to {args.checkpoint}")
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 

@@ -220,6 +220,7 @@ def main() -> None:
     if args.out and dist.get_rank() == 0:
         torch.save(full, args.out)
         print(f"[rank 0] finished {cfg.steps} steps", flush=True)
+    dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
 
 
