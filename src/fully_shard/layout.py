@@ -62,12 +62,10 @@ class ShardLayout:
     size: torch.Size
 
     @classmethod
-    def chunked(
-        cls, size: torch.Size, dim: int, world: int, rank: int, chunk: int | None = None
-    ) -> ShardLayout:
-        """``size`` split on ``dim`` into ``world`` chunks of ``chunk`` (default ceil) rows."""
+    def chunked(cls, size: torch.Size, dim: int, world: int, rank: int) -> ShardLayout:
+        """``size`` split on ``dim`` into ``world`` chunks of ``ceil(size[dim] / world)`` rows."""
         dim_size = size[dim]
-        chunk = math.ceil(dim_size / world) if chunk is None else chunk
+        chunk = math.ceil(dim_size / world)
         offset = min(rank * chunk, dim_size)
         local_rows = max(0, min(offset + chunk, dim_size) - offset)
         return cls(world, rank, dim, chunk, local_rows, size)

@@ -165,7 +165,9 @@ class DenseStorage:
 def _gathered_rows(storage: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """The rows of ``storage`` (``W * chunk`` on the split dim) that a gather split like
     ``layout`` fills: all of them, or the front ``n * chunk'`` for a post-forward piece's."""
-    return storage.narrow(layout.dim, 0, layout.padded_full_size[layout.dim])
+    rows = layout.world * layout.chunk
+    # The W-rank split (every gather but a post-forward piece's) fills all of it: no view.
+    return storage if rows == storage.size(layout.dim) else storage.narrow(layout.dim, 0, rows)
 
 
 class WholeShard:
