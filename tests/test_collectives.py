@@ -1,5 +1,6 @@
-"""``TorchComm`` on gloo: W broadcasts for an all-gather, an in-place all-reduce for a
-reduce-scatter; both must give exactly what torch's own collectives give.
+"""``TorchComm`` on gloo: W broadcasts for an all-gather, an in-place all-reduce (over two
+ranks: one exchange of halves) for a reduce-scatter; both must give exactly what torch's own
+collectives give, for a sum and an average.
 
 Each case gathers and reduce-scatters rank-dependent data with ``TorchComm`` and with
 ``torch.distributed``'s ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` and compares
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fully_shard import TorchComm
-from fully_shard.collectives import SUM
+from fully_shard.collectives import SUM, Reduction
 from harness import device_mesh, run_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -31,14 +32,18 @@ def _data(n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
 
 
 def _torch_reference(
-    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: str
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: str,
+    reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> None:
     with warnings.catch_warnings():  # the 2.13 deprecation of the *_tensor names
         warnings.simplefilter("ignore", FutureWarning)
         if op == "all_gather":
             dist.all_gather_into_tensor(out, inp, group=group)
         else:
-            dist.reduce_scatter_tensor(out, inp, group=group)
+            dist.reduce_scatter_tensor(out, inp, op=reduce_op, group=group)
 
 
 def _compare(n: int, dtype_name: str, async_op: bool, in_place: bool, mesh_dim: int | None) -> None:
@@ -64,13 +69,16 @@ def _compare(n: int, dtype_name: str, async_op: bool, in_place: bool, mesh_dim: 
     assert torch.equal(ours, want), f"all_gather differs on rank {dist.get_rank()}"
 
     full = _data(world * n, dtype, salt=2)
-    out = torch.full((n,), float("nan"), dtype=dtype)
-    work = comm.reduce_scatter(out, full.clone(), group, SUM, async_op)
-    if work is not None:
-        work.wait()
-    want = torch.empty(n, dtype=dtype)
-    _torch_reference(want, full, group, "reduce_scatter")
-    assert torch.equal(out, want), f"reduce_scatter differs on rank {dist.get_rank()}"
+    for reduction, torch_op in ((SUM, dist.ReduceOp.SUM), (Reduction("avg"), dist.ReduceOp.AVG)):
+        out = torch.full((n,), float("nan"), dtype=dtype)
+        work = comm.reduce_scatter(out, full.clone(), group, reduction, async_op)
+        if work is not None:
+            work.wait()
+        want = torch.empty(n, dtype=dtype)
+        _torch_reference(want, full, group, "reduce_scatter", torch_op)
+        assert torch.equal(out, want), (
+            f"reduce_scatter ({reduction.op}) differs on rank {dist.get_rank()}"
+        )
 
 
 @settings(max_examples=24)

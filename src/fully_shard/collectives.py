@@ -264,6 +264,36 @@ class _ChunkOnWait:
         return True
 
 
+class _AddOnWait:
+    """A two-rank reduce-scatter as one exchange: each rank has sent the half of its buffer
+    that the other owns and receives the other's copy of its own half; ``wait()`` adds its own
+    half and divides."""
+
+    def __init__(
+        self,
+        works: list[dist.Work],
+        output: torch.Tensor,
+        mine: torch.Tensor,
+        divisor: float | None,
+    ) -> None:
+        self._works = works  # they hold the sent half and the output until they finish
+        self._output = output
+        self._mine: torch.Tensor | None = mine
+        self._divisor = divisor
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._mine is not None:
+            # The other rank's value plus ours: the sum gloo's all-reduce makes of two
+            # values, bit for bit (one addition, which commutes).
+            self._output.add_(self._mine)
+            divide_(self._output, self._divisor)
+            self._mine = None
+        return True
+
+
 class _DivideOnWait:
     """A collective whose result still needs a division once it is done."""
 
@@ -295,6 +325,27 @@ def _after_sum(reduction: Reduction, group_size: int) -> float | None:
     return None if divisor == 1 else divisor
 
 
+# The tag of our two-rank exchanges, so that they never match a user's own send / recv on the
+# same group (gloo matches point-to-point messages by peer and tag; its collectives use slots
+# of their own). Any fixed value works: both ranks issue the exchanges in the same order.
+EXCHANGE_TAG = 0x46534852
+
+
+def _exchange_halves(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, divisor: float | None
+) -> _AddOnWait:
+    """Start a reduce-scatter over two ranks: send the other rank its half, receive ours."""
+    n, rank = output.numel(), group.rank()
+    peer = dist.get_global_rank(group, 1 - rank)
+    works = [
+        dist.isend(input.narrow(0, (1 - rank) * n, n), peer, group=group, tag=EXCHANGE_TAG),
+        dist.irecv(output, peer, group=group, tag=EXCHANGE_TAG),
+    ]
+    return _AddOnWait(
+        [w for w in works if w is not None], output, input.narrow(0, rank * n, n), divisor
+    )
+
+
 def _finish(done: Waitable, async_op: bool) -> Waitable | None:
     """Hand back ``done`` to be waited later, or wait now (a synchronous call returns None)."""
     if async_op:
@@ -311,7 +362,10 @@ class TorchComm:
 
     - ``reduce_scatter_tensor`` there clones the whole input on the calling thread, all-reduces
       the clone and copies out the caller's chunk. We all-reduce our packed gradient buffer in
-      place instead: the same bytes on the wire, no second ``(W * total,)`` buffer.
+      place instead: the same bytes on the wire, no second ``(W * total,)`` buffer. Over two
+      ranks it is one exchange instead (each rank sends the half the other owns, receives the
+      other's copy of its own half into the output and adds its own): half the all-reduce's
+      bytes, no extra buffer, the same bits.
     - ``all_gather_into_tensor`` there gathers into a temporary flat tensor that it allocates
       on its worker thread, then copies into the output. We issue W broadcasts instead, rank r
       sending its shard straight into slice r of the output: every rank receives each other
@@ -371,6 +425,8 @@ class TorchComm:
         divide_(input, reduction.pre_divide)  # our scratch buffer: divide it in place
         if dist.get_backend(group) == dist.Backend.GLOO:
             divisor = _after_sum(reduction, group.size())
+            if input.is_contiguous() and group.size() == 2 and output.numel() > 0:
+                return _finish(_exchange_halves(output, input, group, divisor), async_op)
             if input.is_contiguous():
                 work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
                 return _finish(_ChunkOnWait(work, output, input, group.rank(), divisor), async_op)
