@@ -30,6 +30,8 @@ Prefetch: the first iteration records the order in which groups start and finish
 forward. From then on a group that starts its forward issues the next group's all-gather
 asynchronously (it runs while this group computes), and a group that starts its backward does
 the same for the group whose forward finished just before its own (backward runs in reverse).
+A group nobody prefetched (the root, at every step) issues its own gather and then the next
+group's before it waits for its own.
 ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the implicit
 choice with explicit lists (an empty list turns prefetching off for that group). Every rank
 records the same order, so every rank issues the same collectives in the same order.
@@ -421,8 +423,18 @@ class FSDPState:
             self._forward_iter = ctx.forward_iter
             if not ctx.order_recorded and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
-            self._unshard_now()  # waits only for groups already in flight if prefetched
-            self._prefetch(self._forward_targets(), backward=False)
+            if all(g.state is GroupState.SHARDED for g in self.groups):
+                # Nobody prefetched this group (the root's, every step): its all-gather and
+                # the next group's both go out before the first wait, so the next one travels
+                # while this one is copied out.
+                for group in self.groups:
+                    group.unshard(async_op=True)
+                self._prefetch(self._forward_targets(), backward=False)
+                for group in self.groups:
+                    group.wait_for_unshard()
+            else:
+                self._unshard_now()  # waits only for groups already in flight if prefetched
+                self._prefetch(self._forward_targets(), backward=False)
         it.forward_depth += 1
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():

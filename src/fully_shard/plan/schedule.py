@@ -28,7 +28,8 @@ device uses its shard's storage (no gather buffer, no unsharded storage), and th
 reduce-scatter's input buffer is its result (no ``total`` output).
 
 Prefetching is the engine's implicit one: a group starting its forward issues the next
-group's gather; a group starting its backward, the group whose forward ended before its own.
+group's gather (before waiting for its own when nobody prefetched it, as the root at every
+step); a group starting its backward, the group whose forward ended before its own.
 """
 
 from __future__ import annotations
@@ -364,8 +365,13 @@ def simulate(
         if kind == "fwd_start":
             led.phase = f"forward of {labels[g]}"
             grp.phase, grp.ran_forward = "forward", True
-            unshard_now(g)
-            prefetch(next_forward(g), backward=False)
+            if grp.state == "sharded":  # nobody prefetched it: the next gather goes out first
+                unshard(g)
+                prefetch(next_forward(g), backward=False)
+                wait(g)
+            else:
+                unshard_now(g)
+                prefetch(next_forward(g), backward=False)
         elif kind == "fwd_end":
             grp.phase = "idle"
             flag = reshard_flag(g)
