@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fully_shard import CountingComm, debug, fully_shard
+from fully_shard.demo import leave_rank
 
 
 def main() -> None:
@@ -74,6 +75,7 @@ def main() -> None:
         print(json.dumps(result))
     dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
+    leave_rank()  # no interpreter finalization: see its docstring
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.spawn import spawn
 
 from fully_shard import PlanInfeasibleError, fully_shard, plan
+from fully_shard.demo import leave_rank
 from fully_shard.plan import CheckpointedBlock
 
 
@@ -137,6 +138,7 @@ def _rank_main(rank: int, world: int, size: str, steps: int, port: int) -> None:
             print(f"{name:<26} {pr:>12} {m:>12,} {q:>10} {ratio:>13.2f}")
     dist.barrier()  # leave together: no rank tears down its connections while one still runs
     dist.destroy_process_group()
+    leave_rank()  # no interpreter finalization: see its docstring
 
 
 def main(argv: list[str] | None = None) -> None:

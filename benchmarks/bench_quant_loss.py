@@ -62,12 +62,10 @@ def _rank_main(rank: int, cfg: demo.DemoConfig, port: int, out: str) -> None:
         losses = demo.train(rank, cfg.nproc, cfg)
         if rank == 0:
             Path(out).write_text(json.dumps(losses))
-        # Leave together, as the demo does: a rank that destroyed its process group and exited
-        # while rank 0 still wrote the losses made rank 0 abort at exit, once in CI ("terminate
-        # called without an active exception").
-        dist.barrier()
+        dist.barrier()  # leave together, as the demo does
     finally:
         dist.destroy_process_group()
+    demo.leave_rank()  # no interpreter finalization: see its docstring
 
 
 def _free_port() -> int:

@@ -47,7 +47,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,6 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fully_shard as fs
+from fully_shard.demo import leave_rank
 from fully_shard.quantize import int8_gather_nbytes
 
 IMPLS = ("ours", "ours-int8", "fsdp2", "ddp", "ours-nogather", "plain")
@@ -709,13 +709,11 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
             Path(out_path).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
-    # Done, and the results are on disk. Leave without running C++ static destructors: about
-    # one exit in three, after a run this short (--size tiny), aborted there with "terminate
-    # called without an active exception" (no Python frame left; torch 2.13, gloo, after the
-    # profiler has run). An exception above still exits through spawn's error path.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Done, and the results are on disk. Leave without the interpreter's finalization (see
+    # fully_shard.demo.leave_rank): about one exit in three, after a run this short (--size
+    # tiny), aborted there with "terminate called without an active exception". An exception
+    # above still exits through spawn's error path.
+    leave_rank()
 
 
 # ---------------------------------------------------------------------------------------------
