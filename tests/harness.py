@@ -59,6 +59,8 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in __all__
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fully_shard.demo import leave_rank
+
 __all__ = [
     "GRACE_S",
     "MAX_WORLD_SIZE",
@@ -350,14 +352,17 @@ class _Pool:
             proc.join(SHUTDOWN_TIMEOUT_S)
         self._close()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[int | None]:
+        """Ask every rank to leave; their exit codes (None for one that had to be killed)."""
         for conn in self._conns:
             with contextlib.suppress(OSError):  # already gone
                 conn.send(None)
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
+        codes = [proc.exitcode for proc in self._procs]
         self.kill()
+        return codes
 
     def _close(self) -> None:
         for conn in self._conns:
@@ -415,6 +420,9 @@ def _worker_main(
             answer = ("error", job, (_type_name(e), str(e), traceback.format_exc()))
         conn.send(answer)
     dist.destroy_process_group()
+    # Not a normal interpreter exit: gloo's worker threads outlive the destroy (DTensor's
+    # caches hold the groups) and can abort the process while it finalizes; see leave_rank.
+    leave_rank()
 
 
 atexit.register(shutdown_pools)

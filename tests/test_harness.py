@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 
+import harness
 from harness import RankError, mesh_1d, run_distributed
 
 
@@ -88,6 +91,23 @@ def test_dead_process_is_reported() -> None:
     with pytest.raises(RankError, match="exited with code 3"):
         run_distributed(_exit_abruptly, 2)
     assert run_distributed(_all_reduce_rank, 2)[0][0] == 3.0
+
+
+def _dtensor_sum() -> float:
+    return distribute_tensor(torch.ones(4), mesh_1d(), [Shard(0)]).full_tensor().sum().item()
+
+
+def test_ranks_leave_with_status_zero_after_dtensor_work() -> None:
+    # DTensor's caches keep the process groups alive past destroy_process_group; a rank that
+    # then finalized normally could abort (fully_shard.demo.leave_rank). A fresh pool, so
+    # that the exit codes are this test's own.
+    pool = harness._Pool(2)
+    try:
+        payload = pickle.dumps((_dtensor_sum, (), {}))
+        assert pool.run("_dtensor_sum", payload, 60.0) == [4.0, 4.0]
+    finally:
+        codes = pool.shutdown()
+    assert codes == [0, 0]
 
 
 def test_unpicklable_function_is_rejected_in_the_parent() -> None:
