@@ -59,8 +59,6 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in __all__
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fully_shard.demo import leave_rank
-
 __all__ = [
     "GRACE_S",
     "MAX_WORLD_SIZE",
@@ -420,9 +418,9 @@ def _worker_main(
             answer = ("error", job, (_type_name(e), str(e), traceback.format_exc()))
         conn.send(answer)
     dist.destroy_process_group()
-    # Not a normal interpreter exit: gloo's worker threads outlive the destroy (DTensor's
-    # caches hold the groups) and can abort the process while it finalizes; see leave_rank.
-    leave_rank()
+    # No leave_rank() here (fully_shard.demo): a forkserver child already ends with os._exit
+    # after multiprocessing's own finalizers, so the interpreter never finalizes with gloo's
+    # threads alive; skipping those finalizers too leaks torch.compile's pool semaphores.
 
 
 atexit.register(shutdown_pools)

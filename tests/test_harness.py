@@ -98,9 +98,9 @@ def _dtensor_sum() -> float:
 
 
 def test_ranks_leave_with_status_zero_after_dtensor_work() -> None:
-    # DTensor's caches keep the process groups alive past destroy_process_group; a rank that
-    # then finalized normally could abort (fully_shard.demo.leave_rank). A fresh pool, so
-    # that the exit codes are this test's own.
+    # DTensor's caches keep the process groups alive past destroy_process_group; a process
+    # that then finalized the interpreter could abort (fully_shard.demo.leave_rank). A
+    # forkserver child never does, and this checks it. A fresh pool: the codes are its own.
     pool = harness._Pool(2)
     try:
         payload = pickle.dumps((_dtensor_sum, (), {}))
