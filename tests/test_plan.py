@@ -112,13 +112,18 @@ def _train(model: nn.Module, spec: dict[str, Any], steps: int) -> list[float]:
     return losses
 
 
-def _budget_between(spec: dict[str, Any], where: float) -> int:
-    """A budget ``where`` of the way from the feasible minimum to the unconstrained peak."""
+def _budget_range(spec: dict[str, Any]) -> tuple[int, int]:
+    """The feasible minimum and the unconstrained peak: two plans, each traced anew."""
     try:
         _plan(spec, 1)
     except PlanInfeasibleError as e:
         low = e.minimum_bytes
-    high = _plan(spec, "1TiB").peak_bytes
+    return low, _plan(spec, "1TiB").peak_bytes
+
+
+def _budget_between(spec: dict[str, Any], where: float) -> int:
+    """A budget ``where`` of the way from the feasible minimum to the unconstrained peak."""
+    low, high = _budget_range(spec)
     return int(low + where * (high - low))
 
 
@@ -213,8 +218,9 @@ def test_apply_trains_exactly_like_the_same_calls_by_hand() -> None:
 
 def _choices(spec: dict[str, Any]) -> list[tuple[int, float, float | None, float | None]]:
     out = []
+    low, high = _budget_range(spec)
     for where in (0.0, 0.5, 1.0):
-        budget = _budget_between(spec, where)
+        budget = int(low + where * (high - low))
         chosen = _plan(spec, budget)
         simpler = []
         for allow in ((), ("reshard",)):
