@@ -15,6 +15,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,24 +113,20 @@ def _train(model: nn.Module, spec: dict[str, Any], steps: int) -> list[float]:
     return losses
 
 
-def _budget_range(spec: dict[str, Any]) -> tuple[int, int]:
-    """The feasible minimum and the unconstrained peak: two plans, each traced anew."""
+def _budgets_between(spec: dict[str, Any], wheres: Sequence[float]) -> list[int]:
+    """Budgets each ``where`` of the way from the feasible minimum to the unconstrained peak
+    (two plans, each traced anew, however many budgets)."""
     try:
         _plan(spec, 1)
     except PlanInfeasibleError as e:
         low = e.minimum_bytes
-    return low, _plan(spec, "1TiB").peak_bytes
-
-
-def _budget_between(spec: dict[str, Any], where: float) -> int:
-    """A budget ``where`` of the way from the feasible minimum to the unconstrained peak."""
-    low, high = _budget_range(spec)
-    return int(low + where * (high - low))
+    high = _plan(spec, "1TiB").peak_bytes
+    return [int(low + where * (high - low)) for where in wheres]
 
 
 def _measure(spec: dict[str, Any], where: float) -> tuple[int, int, int, str]:
     """On each rank: (predicted peak, measured peak, budget, the plan's table)."""
-    budget = _budget_between(spec, where)
+    (budget,) = _budgets_between(spec, [where])
     p = _plan(spec, budget)
     model = p.apply(_build(spec), mesh_1d())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -182,7 +179,7 @@ def test_predicted_peak_matches_memtracker_and_fits(
 
 def _hand_vs_plan(spec: dict[str, Any]) -> tuple[list[float], list[float], bool, bool]:
     """Train the planned model and the same configuration written by hand; compare."""
-    budget = _budget_between(spec, 0.3)
+    (budget,) = _budgets_between(spec, [0.3])
     p = _plan(spec, budget)
     mesh = mesh_1d()
     planned = p.apply(_build(spec), mesh)
@@ -218,9 +215,7 @@ def test_apply_trains_exactly_like_the_same_calls_by_hand() -> None:
 
 def _choices(spec: dict[str, Any]) -> list[tuple[int, float, float | None, float | None]]:
     out = []
-    low, high = _budget_range(spec)
-    for where in (0.0, 0.5, 1.0):
-        budget = int(low + where * (high - low))
+    for budget in _budgets_between(spec, (0.0, 0.5, 1.0)):
         chosen = _plan(spec, budget)
         simpler = []
         for allow in ((), ("reshard",)):
@@ -376,9 +371,9 @@ def test_llama_8b_on_meta_plans_without_allocating() -> None:
         loss_fn=loss_fn,
     )
     print(f"planned Llama-3-8B on meta in {time.perf_counter() - start:.1f} s")  # no threshold
-    # The parameters alone are 30 GiB in fp32 (the peak RSS would show them); planning holds
-    # fake tensors and some bookkeeping. RSS covers Python's heap too, so tracing it with
-    # tracemalloc (as this test once did, at four times the run time) adds no check.
+    # The parameters alone are 30 GiB in fp32: any real allocation of them shows in the peak
+    # RSS. (This test also bounded Python's heap with tracemalloc once, tighter but at four
+    # times the run time; planning holds only fake tensors and bookkeeping.)
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert rss_growth < 1024 * 2**20
     assert p.peak_bytes <= 80 * 2**30 and len(p.groups) == 33
