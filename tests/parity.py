@@ -91,6 +91,9 @@ ShardFn = Callable[..., Any]
 
 OptimizerName = Literal["adamw", "adam", "sgd"]
 
+OptimizerFactory = Callable[[list[nn.Parameter], float], torch.optim.Optimizer]
+"""`factory(trainable_params, lr) -> optimizer`, for an optimizer `OptimizerName` does not name."""
+
 
 class ParityStats(TypedDict):
     """What `check_parity` observed; every difference is a max absolute difference."""
@@ -228,9 +231,11 @@ def _compare(
 
 
 def _make_optimizer(
-    name: OptimizerName, params: Iterable[nn.Parameter], lr: float
+    name: OptimizerName | OptimizerFactory, params: Iterable[nn.Parameter], lr: float
 ) -> torch.optim.Optimizer:
     trainable = [p for p in params if p.requires_grad]
+    if callable(name):
+        return name(trainable, lr)
     if name == "adamw":
         return torch.optim.AdamW(trainable, lr=lr, weight_decay=0.01)
     if name == "adam":
@@ -287,13 +292,14 @@ def check_parity(
     steps: int = 5,
     local_batch: int = 2,
     lr: float = 1e-3,
-    optimizer: OptimizerName = "adamw",
+    optimizer: OptimizerName | tuple[OptimizerFactory, OptimizerFactory] = "adamw",
     atol: float = 1e-6,
     rtol: float = 1e-5,
     grad_accum: int = 1,
     set_gradient_sync: Callable[[nn.Module, bool], None] | None = None,
     reference_from_sharded: bool = False,
     seed: int = 0,
+    max_norm: float | None = None,
 ) -> ParityStats:
     """Train a sharded model and an unsharded replica side by side and compare every step.
 
@@ -314,7 +320,9 @@ def check_parity(
         loss: `loss(model(inputs), targets)`, a mean over the rows (see `loss_fn`).
         steps: optimizer steps.
         local_batch: rows per micro-batch per rank.
-        lr, optimizer: the same optimizer ("adamw", "adam" or "sgd" with momentum) drives both.
+        lr, optimizer: the same optimizer ("adamw", "adam" or "sgd" with momentum) drives both,
+            or a pair of `OptimizerFactory` (the sharded model's, the reference's), e.g. an
+            optimizer for sharded parameters beside the torch one it must match.
             Adam turns a gradient entry that is pure rounding noise into a full +-lr update,
             so the final parameter difference grows with lr: 1e-2 gave 1e-5 where 1e-3 gives
             1e-6 on the Transformer; raise atol with lr.
@@ -330,6 +338,8 @@ def check_parity(
             buffer values into the reference instead of relying on identical construction (for
             meta-device init, where `shard` also runs `to_empty()` + `reset_parameters()`).
         seed: seeds the model build and the data.
+        max_norm: if given, `clip_grad_norm_(params, max_norm)` on both models before each
+            optimizer step (after the gradients are compared).
 
     Returns:
         `ParityStats`: the max differences seen, the reference losses and the names of
@@ -378,8 +388,9 @@ def check_parity(
                 f"sharding, {ref_params[name].requires_grad} before"
             )
 
-    opt = _make_optimizer(optimizer, params.values(), lr)
-    ref_opt = _make_optimizer(optimizer, ref_params.values(), lr)
+    mine, theirs = optimizer if isinstance(optimizer, tuple) else (optimizer, optimizer)
+    opt = _make_optimizer(mine, params.values(), lr)
+    ref_opt = _make_optimizer(theirs, ref_params.values(), lr)
     data_gen = torch.Generator().manual_seed(seed + 1)
     rows = local_batch * grad_accum  # rows of one rank per step
 
@@ -458,6 +469,9 @@ def check_parity(
             if bool((ref_p.grad != 0).any()):
                 ever_nonzero.add(name)
 
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+            torch.nn.utils.clip_grad_norm_(list(ref_params.values()), max_norm)
         opt.step()
         ref_opt.step()
 

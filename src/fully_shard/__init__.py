@@ -7,7 +7,7 @@ Example:
     >>> fully_shard(model)  # doctest: +SKIP
 """
 
-from . import debug, trace
+from . import debug, optim, trace
 from .api import fully_shard
 from .collectives import AllGather, Comm, CommRecord, CountingComm, ReduceScatter, TorchComm
 from .errors import (
@@ -22,6 +22,7 @@ from .errors import (
 )
 from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .optim import Muon
 from .plan import Plan, plan
 from .policies import (
     CPUOffloadPolicy,
@@ -51,6 +52,7 @@ __all__ = [
     "FullyShardValueError",
     "HSDPMeshInfo",
     "MixedPrecisionPolicy",
+    "Muon",
     "OffloadPolicy",
     "Plan",
     "PlanInfeasibleError",
@@ -61,6 +63,7 @@ __all__ = [
     "UnshardHandle",
     "debug",
     "fully_shard",
+    "optim",
     "plan",
     "register_fsdp_forward_method",
     "share_comm_ctx",

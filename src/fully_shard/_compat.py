@@ -343,3 +343,21 @@ def register_with_torch_composable(module: torch.nn.Module, view: object) -> Non
         states = _StateRegistry(view)
         states.update(module.__dict__.get(state_key) or {})
         module.__dict__[state_key] = states
+
+
+def torch_newton_schulz() -> Callable[..., torch.Tensor] | None:
+    """torch's own Newton-Schulz orthogonalization of ``torch.optim.Muon``, if it has one.
+
+    ``fully_shard.Muon`` promises the numbers of ``torch.optim.Muon`` on the unsharded model,
+    so it runs torch's arithmetic itself rather than a copy that could drift:
+    ``torch.optim._muon._zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps)``
+    (private; read and run on torch 2.13, where ``torch.optim.Muon`` is). A torch without it
+    (2.6 has no Muon) gets ``None`` and ``fully_shard.optim.muon.newton_schulz``, the same
+    arithmetic written out, which tests/test_muon.py checks bit for bit against torch's.
+    """
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+    except ImportError:
+        return None
+    fn: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
+    return fn
