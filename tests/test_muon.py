@@ -119,15 +119,19 @@ def _counted(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return result, calls[0], sent[0]
 
 
-def _same_gradients(mesh: Any, mp: MixedPrecisionPolicy | None = None) -> tuple[float, bool]:
+def _same_gradients(
+    mesh: Any, mp: MixedPrecisionPolicy | None = None, *, freeze: bool = False
+) -> tuple[float, bool]:
     """Train 3 steps, the unsharded torch Muon stepping on the sharded model's gradients.
 
     For layouts whose gradients are not the global batch's to the bit (bf16 compute), and to
-    read the sharded parameters afterwards. Returns (max parameter difference, whether every
-    replica of an HSDP mesh holds bit-identical shards).
+    read the sharded parameters afterwards. ``freeze``: the second block is frozen but both
+    optimizers hold it (no gradient: skipped). Returns (max parameter difference, whether
+    every replica of an HSDP mesh holds bit-identical shards).
     """
     torch.manual_seed(0)
     model = MLPStack(DIMS, bias=False, activation="tanh")
+    model.layers[1].requires_grad_(not freeze)
     reference = copy.deepcopy(model)
     wrap_layers_then_root(shard_fn, **({"mp_policy": mp} if mp else {}))(model, mesh)
     ours, theirs = _muon_pair()
@@ -138,7 +142,7 @@ def _same_gradients(mesh: Any, mp: MixedPrecisionPolicy | None = None) -> tuple[
         x, y = make_float_batch(2 * world, gen, in_dim=DIMS[0], out_dim=DIMS[-1])
         loss_fn(model(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2]).backward()
         for p, ref_p in zip(model.parameters(), reference.parameters(), strict=True):
-            ref_p.grad = p.grad.full_tensor()  # type: ignore[union-attr]
+            ref_p.grad = None if p.grad is None else p.grad.full_tensor()  # type: ignore[attr-defined]
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -165,7 +169,7 @@ def _cases() -> dict[str, Any]:
     )
     out["accum_clip"] = _parity(mesh, grad_accum=2, max_norm=0.05, weight_decay=0.0)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out["mixed_precision"], _ = _same_gradients(mesh, bf16)
+    out["mixed_precision_frozen"], _ = _same_gradients(mesh, bf16, freeze=True)
     if dist.get_world_size() == 4:
         hsdp = device_mesh((2, 2), ("replicate", "shard"))
         out["hsdp"], out["replicas_identical"] = _same_gradients(hsdp)
@@ -189,7 +193,7 @@ def test_muon_equals_unsharded_torch_muon(world: int) -> None:
     assert sum(r["ns_calls"] for r in results) == STEPS * len(SHAPES)  # once per matrix
     assert sum(r["sent"] for r in results) == STEPS * _theory_bytes(world)
     for r in results:
-        for key in ("plain", "nesterov_off_groups", "accum_clip", "mixed_precision", "hsdp"):
+        for key in ("plain", "nesterov_off_groups", "accum_clip", "mixed_precision_frozen", "hsdp"):
             assert r.get(key, 0.0) <= ATOL, (key, r)
         assert r.get("replicas_identical", True)
     assert ("hsdp" in results[0]) == (world == 4)
@@ -287,3 +291,58 @@ def test_newton_schulz_is_torchs_bit_for_bit(shape: tuple[int, int]) -> None:
     g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
     assert torch.equal(muon_module.newton_schulz(g, *args), _zeropower_via_newtonschulz(g, *args))
+
+
+# Elementwise: each rank's rows update alone, so the sharded step is the unsharded one.
+SAFE = {
+    "SGD": {"momentum": 0.9},
+    "Adam": {},
+    "AdamW": {},
+    "Adagrad": {},
+    "RMSprop": {},
+    "Adamax": {},
+    "NAdam": {},
+    "RAdam": {},
+    "ASGD": {},
+    "Adadelta": {},
+}
+
+
+def _rprop_on_shards() -> str:
+    """torch 2.13's Rprop is elementwise but its code has no DTensor path: a boolean-mask
+    assignment (the default, foreach=False) has no sharding strategy."""
+    model = MLPStack(DIMS, activation="tanh")
+    wrap_layers_then_root(shard_fn)(model, mesh_1d())
+    opt = torch.optim.Rprop(model.parameters())
+    model(torch.randn(2, DIMS[0])).sum().backward()
+    with pytest.raises(RuntimeError, match="placement") as info:
+        opt.step()
+    return str(info.value)
+
+
+def _safe_optimizers() -> dict[str, float]:
+    out = {}
+    for name, options in SAFE.items():
+        cls = getattr(torch.optim, name)
+
+        def factory(params: list[nn.Parameter], lr: float, cls: Any = cls, o: Any = options) -> Any:
+            return cls(params, lr=lr, **o)
+
+        stats = check_parity(
+            functools.partial(MLPStack, DIMS, activation="tanh"),
+            wrap_layers_then_root(shard_fn),
+            functools.partial(make_float_batch, in_dim=DIMS[0], out_dim=DIMS[-1]),
+            mesh_1d(),
+            steps=STEPS,
+            optimizer=(factory, factory),
+        )
+        out[name] = stats["max_param_diff"]
+    return out
+
+
+def test_elementwise_optimizers_are_safe_on_shards() -> None:
+    """The "safe" rows of docs/optimizers.md: torch's optimizer on our sharded parameters
+    trains like on the unsharded model (check_parity's tolerances)."""
+    diffs = run_distributed(_safe_optimizers, 2, timeout=120)[0]
+    assert set(diffs) == set(SAFE)
+    run_distributed(_rprop_on_shards, 2)
