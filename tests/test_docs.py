@@ -65,6 +65,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "low_memory_step.py": ([], r"step 2: loss \d\S*, (\d+) of \1 parameters stepped"),
     "desync.py": ([], r"step 1: rank 0: collectives diverged .* 'layers\.2'"),
     "plan_memory.py": ([], r"step 2: loss \d\S*, planned peak \d+ bytes"),
+    "muon.py": ([], r"Muon's matrices 0\.0e\+00, AdamW's parameters 0\.0e\+00; 24 Newton-Schulz"),
     # 2 ranks: TP 2 x DP 1 (tests/test_example_2d.py runs 2 x 2 under torchrun)
     "train_llama_2d.py": (["--steps", "3"], r"max \|2-D - unsharded\| over all parameters"),
     # 2 ranks: 1 x 1 x 2 (tests/test_3d.py runs 2 x 1 x 2 and 1 x 2 x 2 on 4 ranks)
