@@ -15,9 +15,11 @@ would go to AdamW):
 Every model gets the same gradients (one backward on the same global batch, copied), then one
 checked step: the largest difference of each sharded model's parameters from the unsharded
 one's. Then the timed steps run interleaved (rotating order), each step's time the slowest
-rank's. It prints the median step time of each, the ratios, the bytes ``all_to_all_single``
-sent per step by ours against the exchange's theory (each matrix's rows gathered to its owner
-once and sent back once, bf16 both ways), and, last, one JSON object with every number.
+rank's (wall clock, and CPU seconds of all the rank's threads, which a machine whose cores
+are busy with other work inflates less). It prints the median step time of each, the ratios,
+the bytes ``all_to_all_single`` sent per step by ours against the exchange's theory (each
+matrix's rows gathered to its owner once and sent back once, bf16 both ways), and, last, one
+JSON object with every number.
 
 Example:
     $ python benchmarks/bench_optim.py --size medium --nprocs 2,4 --steps 10
@@ -129,6 +131,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, out: 
 
     dist.all_to_all_single = counting  # type: ignore[assignment]  # this process only
     times: dict[str, list[float]] = {k: [] for k in IMPLS}
+    cpu: dict[str, list[float]] = {k: [] for k in IMPLS}
     for step in range(args.warmup + args.steps + 1):
         order = IMPLS[step % 3 :] + IMPLS[: step % 3]
         sent[0] = 0
@@ -136,15 +139,17 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, out: 
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if impl != "torch-unsharded" or rank == 0:
                 optims[impl].step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            spent = [time.perf_counter() - t0, time.process_time() - c0]
+            elapsed = torch.tensor(spent, dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step > args.warmup:
-                times[impl].append(elapsed.item())
+                times[impl].append(elapsed[0].item())
+                cpu[impl].append(elapsed[1].item())
         if step == 0:  # the checked step: all three from the same state, same gradients
             first = {
                 "ours": _max_diff(models["ours"], models["torch-unsharded"]),
@@ -158,6 +163,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, out: 
         "world": world,
         "matrices": len(shapes),
         "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "median_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
         "max_diff_vs_unsharded": {k: first[k] for k in ("ours", "torch-sharded")},
         "bytes_per_step": int(sent_all.item()),
         "theory_bytes_per_step": theory_bytes(shapes, world),  # type: ignore[arg-type]
@@ -191,6 +197,12 @@ def main(argv: list[str] | None = None) -> None:
             f"unsharded {med['torch-unsharded'] * 1e3:.1f} ms; ours / unsharded "
             f"{med['ours'] / med['torch-unsharded']:.2f}, ours / torch sharded "
             f"{med['ours'] / med['torch-sharded']:.2f}"
+        )
+        cpu = r["median_cpu_s"]
+        print(
+            f"    CPU seconds of the busiest rank (all its threads): ours {cpu['ours']:.3f}, "
+            f"torch sharded {cpu['torch-sharded']:.3f}, unsharded {cpu['torch-unsharded']:.3f}; "
+            f"ours / unsharded {cpu['ours'] / cpu['torch-unsharded']:.2f}"
         )
         diff = r["max_diff_vs_unsharded"]
         print(
