@@ -8,8 +8,9 @@ release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added sinc
 ``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``,
 ``profiler_enabled``, ``torch_fsdp_module_class``, ``register_with_torch_composable``) only
 on 2.13.0, each written to fall back or to use a name 2.6 has; the last two also on 2.11 with
-CUDA. Other releases in between have not been run, so this file is the one place to check
-when they are.
+CUDA. ``torch_newton_schulz`` (``fully_shard.Muon``) only on 2.13.0; it falls back to our
+copy of the arithmetic where torch has no Muon. Other releases in between have not been run,
+so this file is the one place to check when they are.
 """
 
 from __future__ import annotations
