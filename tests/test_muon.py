@@ -32,7 +32,7 @@ import fully_shard
 from fully_shard import MixedPrecisionPolicy
 from fully_shard import fully_shard as shard_fn
 from fully_shard.optim import muon as muon_module
-from fully_shard.optim.exchange import assign_owners, row_bounds
+from fully_shard.optim.exchange import WholeMatrixExchange, assign_owners, row_bounds
 from harness import device_mesh, mesh_1d, run_distributed
 from models import MLPStack
 from parity import (
@@ -160,9 +160,25 @@ def _same_gradients(
     return diff, identical
 
 
+def _exchange_alone() -> bool:
+    """The exchange with another computation (3-D fp32 tensors, results in bf16, 3 buckets):
+    each rank gets its rows of the whole result, and sends the bytes it planned."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shapes = [(5, 2, 3), (1, 4, 1), (9, 3, 2), (4, 4, 4)]
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(s, generator=gen) for s in shapes]
+    exchange = WholeMatrixExchange(shapes, [1.0, 1.0, 3.0, 2.0], mesh_1d().get_group(), buckets=3)
+    mine = [t[slice(*row_bounds(t.shape[0], world, rank))] for t in full]
+    got = exchange.run(mine, lambda i, whole: whole.cumsum(0) * (i + 1), out_dtype=torch.bfloat16)
+    for i, t in enumerate(full):
+        want = (t.cumsum(0) * (i + 1)).bfloat16()[slice(*row_bounds(t.shape[0], world, rank))]
+        torch.testing.assert_close(got[i], want, rtol=0, atol=0)
+    return exchange.sent_bytes == exchange.planned_bytes(4, 2)
+
+
 def _cases() -> dict[str, Any]:
     mesh = mesh_1d()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"exchange_bytes_as_planned": _exchange_alone()}
     out["plain"], out["ns_calls"], out["sent"] = _counted(lambda: _parity(mesh))
     out["nesterov_off_groups"] = _parity(
         mesh, nesterov=False, groups=True, adjust_lr_fn="match_rms_adamw"
@@ -242,6 +258,7 @@ def test_muon_equals_unsharded_torch_muon(world: int) -> None:
         ):
             assert r.get(key, 0.0) <= ATOL, (key, r)
         assert r.get("replicas_identical", True)
+        assert r["exchange_bytes_as_planned"]
     assert ("hsdp" in results[0]) == (world == 4)
 
 
