@@ -76,8 +76,10 @@ def _parity(mesh: Any, **options: Any) -> float:
     """Train 3 steps beside the unsharded torch Muon; the max parameter difference."""
     accum = options.pop("grad_accum", 1)
     max_norm = options.pop("max_norm", None)
-    mp = options.pop("mp", None)
-    shard = wrap_layers_then_root(shard_fn, **({"mp_policy": mp} if mp else {}))
+    shard_options = {}
+    if options.pop("columns", False):  # every weight split on dim 1 instead of dim 0
+        shard_options["shard_placement_fn"] = lambda p: Shard(1)
+    shard = wrap_layers_then_root(shard_fn, **shard_options)
     stats = check_parity(
         functools.partial(MLPStack, DIMS, bias=False, activation="tanh"),
         shard,
@@ -184,6 +186,7 @@ def _cases() -> dict[str, Any]:
         mesh, nesterov=False, groups=True, adjust_lr_fn="match_rms_adamw"
     )
     out["accum_clip"] = _parity(mesh, grad_accum=2, max_norm=0.05, weight_decay=0.0)
+    out["columns"] = _parity(mesh, columns=True)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out["mixed_precision_frozen"], _ = _same_gradients(mesh, bf16, freeze=True)
     if dist.get_world_size() == 4:
@@ -225,6 +228,7 @@ CASES = (
     "plain",
     "nesterov_off_groups",
     "accum_clip",
+    "columns",
     "mixed_precision_frozen",
     "hsdp",
     "two_meshes",
@@ -318,9 +322,9 @@ def test_dcp_save_at_4_resume_at_2_equals_uninterrupted(tmp_path: Path) -> None:
 
 def _bad_layouts() -> list[str]:
     """The errors a rank sees for layouts Muon cannot gather; raised before any step."""
-    mesh = mesh_1d()
+    mesh = device_mesh((1, 2), ("dp", "tp"))  # tensor parallel + FSDP: two dims split
     messages = []
-    cols = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    cols = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(0), Shard(1)]))
     with pytest.raises(fully_shard.FullyShardNotImplementedError) as info:
         fully_shard.Muon([("tp.w", cols)])
     messages.append(str(info.value))

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -100,10 +101,19 @@ class RowSharding:
         shard_dim: the mesh dim whose ranks each hold a ``Shard(0)`` slice of rows; the other
             dims (HSDP's replicate dim) hold identical copies, and each copy runs its own
             exchange on identical data, so the copies stay bit-identical.
+        tensor_dim: the tensor dim that is split: 0 (rows), or 1 for a 2-D parameter sharded
+            on its columns (``fully_shard(..., shard_placement_fn=lambda p: Shard(1))``),
+            whose transpose the exchange then sees as rows.
     """
 
     mesh: DeviceMesh
     shard_dim: int
+    tensor_dim: int = 0
+
+    @property
+    def key(self) -> tuple[DeviceMesh, int]:
+        """What parameters exchanged together share: the mesh and its shard dim."""
+        return self.mesh, self.shard_dim
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -121,15 +131,20 @@ def row_sharding(param: torch.Tensor, name: str) -> RowSharding | None:
 
     A plain tensor, or a DTensor replicated on every mesh dim, is whole here. A DTensor with
     ``Shard(0)`` on one mesh dim and ``Replicate()`` on the others (``fully_shard``'s 1-D and
-    HSDP layouts, and torch's) splits over that dim.
+    HSDP layouts, and torch's) splits over that dim; so does a 2-D one with ``Shard(1)``
+    there instead (``tensor_dim=1``).
 
     Raises:
-        FullyShardNotImplementedError: any other layout (tensor parallelism's ``Shard(1)``,
-            a strided or second shard dim, ``Partial``), naming ``name`` and the mesh.
+        FullyShardNotImplementedError: any other layout (tensor parallelism + FSDP: two shard
+            dims, a strided shard, ``Partial``), naming ``name`` and the mesh.
     """
     if not isinstance(param, DTensor):
         return None
-    shard_dims = [d for d, p in enumerate(param.placements) if type(p) is Shard and p.dim == 0]
+    shard_dims = [
+        d
+        for d, p in enumerate(param.placements)
+        if type(p) is Shard and (p.dim == 0 or (p.dim == 1 and param.ndim == 2))
+    ]
     others = [
         p
         for d, p in enumerate(param.placements)
@@ -138,14 +153,15 @@ def row_sharding(param: torch.Tensor, name: str) -> RowSharding | None:
     if len(shard_dims) > 1 or others:
         raise FullyShardNotImplementedError(
             f"parameter {name!r} (shape {tuple(param.shape)}) is laid out as "
-            f"{tuple(param.placements)} on mesh {param.device_mesh}: only rows split over one "
-            "mesh dim (Shard(0), other dims Replicate(): fully_shard's 1-D and HSDP layouts) "
-            "can be gathered whole. For tensor parallelism + FSDP, give this parameter to an "
-            "elementwise optimizer (AdamW) or keep it out of tensor parallelism."
+            f"{tuple(param.placements)} on mesh {param.device_mesh}: only one dim split over one "
+            "mesh dim (Shard(0) or Shard(1), other dims Replicate(): fully_shard's 1-D and "
+            "HSDP layouts) can be gathered whole. For tensor parallelism + FSDP, give this "
+            "parameter to an elementwise optimizer (AdamW) or keep it out of tensor parallelism."
         )
     if not shard_dims:
         return None
-    return RowSharding(param.device_mesh, shard_dims[0])
+    placement = cast(Shard, param.placements[shard_dims[0]])  # a Shard: chosen by type above
+    return RowSharding(param.device_mesh, shard_dims[0], placement.dim)
 
 
 def _numel(shape: Sequence[int]) -> int:

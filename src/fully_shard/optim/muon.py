@@ -122,6 +122,13 @@ class _Matrix:
     group: MutableMapping[str, Any]
     sharding: RowSharding | None
     update: Tensor  # (rows_r, d1) bf16: this rank's rows of the momentum update
+    columns: bool  # split on dim 1: `update` is this rank's rows of the transpose
+
+    @property
+    def exchanged_shape(self) -> tuple[int, ...]:
+        """The shape the exchange sees: the parameter's, transposed if split on columns."""
+        rows, cols = self.param.shape
+        return (cols, rows) if self.columns else (rows, cols)
 
 
 class Muon(torch.optim.Optimizer):
@@ -226,11 +233,11 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     _check_grad(p)
         matrices = [m for group in self.param_groups for m in self._momentum(group)]
-        by_sharding: dict[RowSharding | None, list[_Matrix]] = {}
+        by_mesh: dict[tuple[Any, int] | None, list[_Matrix]] = {}
         for m in matrices:
-            by_sharding.setdefault(m.sharding, []).append(m)
-        for sharding, group_matrices in by_sharding.items():
-            self._orthogonalize_and_apply(sharding, group_matrices)
+            by_mesh.setdefault(None if m.sharding is None else m.sharding.key, []).append(m)
+        for group_matrices in by_mesh.values():
+            self._orthogonalize_and_apply(group_matrices[0].sharding, group_matrices)
         return loss
 
     def _momentum(self, group: MutableMapping[str, Any]) -> list[_Matrix]:
@@ -250,29 +257,37 @@ class Muon(torch.optim.Optimizer):
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
             names = group.get("param_names", [])
             name = names[index] if index < len(names) else f"params[{index}]"
-            out.append(_Matrix(p, group, row_sharding(p, name), update.bfloat16()))
+            sharding = row_sharding(p, name)
+            # Split on columns: the exchange moves rows, so it gets the transpose, (cols_r, d0).
+            columns = sharding is not None and sharding.tensor_dim == 1
+            local = update.T if columns else update
+            out.append(_Matrix(p, group, sharding, local.bfloat16(), columns))
         return out
 
     def _orthogonalize_and_apply(
         self, sharding: RowSharding | None, matrices: list[_Matrix]
     ) -> None:
         exchange = WholeMatrixExchange(
-            [tuple(m.param.shape) for m in matrices],
-            [newton_schulz_flops(tuple(m.param.shape), m.group["ns_steps"]) for m in matrices],
+            [m.exchanged_shape for m in matrices],
+            [newton_schulz_flops(m.exchanged_shape, m.group["ns_steps"]) for m in matrices],
             None if sharding is None or sharding.world == 1 else sharding.group,
             buckets=self.buckets,
         )
 
         def compute(i: int, whole: Tensor) -> Tensor:
-            g = matrices[i].group
-            return orthogonalize(whole, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            g, columns = matrices[i].group, matrices[i].columns
+            # torch's arithmetic on the matrix as the parameter has it (contiguous, d0 x d1)
+            matrix = whole.T.contiguous() if columns else whole
+            o = orthogonalize(matrix, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            return o.T if columns else o
 
         rows = exchange.run([m.update for m in matrices], compute)
         for m, ortho in zip(matrices, rows, strict=True):
             lr = float(m.group["lr"])
             param = _local(m.param)
             param.mul_(1 - lr * m.group["weight_decay"])
-            param.add_(ortho, alpha=-adjusted_lr(lr, m.group["adjust_lr_fn"], m.param.shape))
+            update = ortho.T if m.columns else ortho
+            param.add_(update, alpha=-adjusted_lr(lr, m.group["adjust_lr_fn"], m.param.shape))
 
 
 def _check_hyperparameters(
