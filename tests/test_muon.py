@@ -348,6 +348,12 @@ def test_non_2d_parameter_gets_torchs_error() -> None:
         fully_shard.Muon([("w", nn.Parameter(torch.zeros(2, 2))), ("head.bias", bias)])
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         fully_shard.Muon([nn.Parameter(torch.zeros(2, 2))], adjust_lr_fn="nope")
+    w = nn.Parameter(torch.ones(2, 2))
+    w.grad = torch.ones(2, 2)
+    opt = fully_shard.Muon([w], ns_steps=100)
+    with pytest.raises(fully_shard.FullyShardValueError, match="fewer than 100"):
+        opt.step()
+    assert not opt.state and torch.equal(w, torch.ones(2, 2))  # refused before any change
 
 
 @pytest.mark.parametrize("shape", [(7, 3), (3, 7), (5, 5)])

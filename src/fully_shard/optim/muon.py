@@ -228,7 +228,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group in self.param_groups:  # every check before any state changes
+            _check_newton_schulz(group)
             for p in group["params"]:
                 if p.grad is not None:
                     _check_grad(p)
@@ -320,6 +321,17 @@ def _check_param(p: Tensor, name: str) -> None:
             "torch.optim.AdamW (embeddings, output head, norms and biases usually are)."
         )
     row_sharding(p, name)  # a layout we cannot gather raises here, before any step
+
+
+def _check_newton_schulz(group: MutableMapping[str, Any]) -> None:
+    if group["ns_steps"] >= 100:
+        raise FullyShardValueError(
+            f"ns_steps={group['ns_steps']}: Newton-Schulz steps must be fewer than 100"
+        )
+    if len(group["ns_coefficients"]) != 3:
+        raise FullyShardValueError(
+            f"ns_coefficients must be three numbers (a, b, c), got {group['ns_coefficients']!r}"
+        )
 
 
 def _check_grad(p: Tensor) -> None:
