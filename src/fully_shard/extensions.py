@@ -59,10 +59,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._compat import local_tensor
-from .collectives import GatherInput, typed_block
 from .errors import FullyShardNotImplementedError, FullyShardTypeError, FullyShardValueError
 from .layout import ParamView, ShardLayout
 from .mesh import MeshInfo, contiguous_stride
+from .packing import GatherInput, typed_block
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 
 # How many arguments (after self) torch's fsdp_pre_all_gather takes: the old form (mesh) and

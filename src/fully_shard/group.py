@@ -32,26 +32,28 @@ from torch import nn
 from ._compat import local_tensor, version
 from .collectives import (
     Comm,
-    GatherInput,
-    ProcessGroupAllocator,
     ReducePlan,
     Reduction,
     UserAllGather,
     UserReduceScatter,
     Waitable,
-    allocate_buffer,
-    copy_in,
-    copy_out,
     divide_,
-    pack_grad,
     plan_reduction,
-    split_sizes,
-    wire_dtype,
 )
 from .errors import FullyShardStateError
 from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
 from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
+from .packing import (
+    GatherInput,
+    ProcessGroupAllocator,
+    allocate_buffer,
+    copy_in,
+    copy_out,
+    pack_grad,
+    split_sizes,
+    wire_dtype,
+)
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN

@@ -62,10 +62,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._compat import dtensor_from_spec, dtensor_spec, local_tensor, post_accumulate_grad_hooks
-from .collectives import GatherInput
 from .extensions import SubclassGather, check_extension_plan, has_extension
 from .layout import ShardLayout
 from .mesh import MeshInfo, SubgroupInfo, contiguous_stride
+from .packing import GatherInput
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
 from .spmd import TPLayout, combined_placements

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .collectives import GatherInput
 from .layout import ParamView, ShardLayout
+from .packing import GatherInput
 from .policies import QuantizationPolicy
 from .quantize import PLAIN, GatherFormat
 
