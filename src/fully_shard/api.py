@@ -352,7 +352,6 @@ def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
                 group.info,
                 shard_device,
                 pin,
-                call.mp_policy,
                 plan.tp,
             )
             for plan in group.plans

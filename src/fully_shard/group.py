@@ -260,7 +260,7 @@ class ParamGroup:
         self._initialized = True
         sub = self.config.post_forward
         for p in self.params:
-            p.sync_with_module(self.config.quantization_policy)
+            p.sync_with_module(self.config.quantization_policy, self.config.mp_policy)
             if sub is not None:  # hooks patched on since fully_shard: refused as it would
                 own = local_tensor(p.sharded_param)
                 check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
@@ -297,7 +297,7 @@ class ParamGroup:
         with torch.no_grad():
             # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
             quant = self.config.quantization_policy
-            inputs = [p.all_gather_inputs(quant) for p in self.params]
+            inputs = [p.all_gather_inputs(quant, self.config.mp_policy) for p in self.params]
             flat_inputs = [gi for per_param in inputs for gi in per_param]
             wire = wire_dtype([gi.dtype for gi in flat_inputs])
             sizes = split_sizes(flat_inputs, wire)
