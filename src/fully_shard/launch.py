@@ -155,13 +155,16 @@ def init_distributed(
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
     if joined:
         existing = str(dist.get_backend())
-        if backend is not None and backend != existing:
+        # "undefined": init_process_group() was called without a backend and torch made one
+        # per device type it found (gloo for CPU tensors, NCCL for CUDA ones): pick as usual.
+        if existing != "undefined" and backend is not None and backend != existing:
             raise FullyShardValueError(
                 f"init_distributed(backend={backend!r}): the default process group already "
                 f"exists with backend {existing!r}; drop the argument to use that group, or "
                 "destroy it first (dist.destroy_process_group())"
             )
-        backend = existing
+        if existing != "undefined":
+            backend = existing
     device = _pick_device(backend, local_rank, local_world_size)
     if backend is None:
         backend = _default_backend(device)
@@ -230,8 +233,8 @@ def _default_backend(device: torch.device) -> str:
 def _pick_device(backend: str | None, local_rank: int, local_world_size: int) -> torch.device:
     """``cuda:<local_rank>`` (or the accelerator's type) or ``cpu``, for ``backend``."""
     cpu = torch.device("cpu")
-    if backend == "gloo":  # asked for, or the existing group's: tensors must be on the CPU
-        return cpu
+    if backend is not None and all(b.split(":")[-1] == "gloo" for b in backend.split(",")):
+        return cpu  # "gloo" or "cpu:gloo", asked for or the existing group's: only CPU tensors
     accel = _accelerator()
     if accel is None or (backend is None and _default_backend(accel) == "gloo"):
         if backend is not None:
