@@ -14,12 +14,14 @@ from .errors import (
     FullyShardCopyError,
     FullyShardDesyncError,
     FullyShardError,
+    FullyShardLaunchError,
     FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
     PlanInfeasibleError,
 )
+from .launch import Distributed, init_distributed
 from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .plan import Plan, plan
@@ -40,11 +42,13 @@ __all__ = [
     "CommRecord",
     "CountingComm",
     "DataParallelMeshDims",
+    "Distributed",
     "FSDPMeshInfo",
     "FSDPModule",
     "FullyShardCopyError",
     "FullyShardDesyncError",
     "FullyShardError",
+    "FullyShardLaunchError",
     "FullyShardNotImplementedError",
     "FullyShardStateError",
     "FullyShardTypeError",
@@ -61,6 +65,7 @@ __all__ = [
     "UnshardHandle",
     "debug",
     "fully_shard",
+    "init_distributed",
     "plan",
     "register_fsdp_forward_method",
     "share_comm_ctx",
