@@ -86,6 +86,8 @@ def _fsdp_class(cls: type, torch_base: type | None) -> type:
     # _fsdp_original_class: what FSDPModule.__new__ builds when a container (Sequential
     # slicing) constructs a new instance of the swapped class.
     namespace = {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    if torch_base is not None and issubclass(torch_base, FSDPModule):
+        torch_base = None  # torch's name rebound to ours (or a subclass): no second base
     bases = (FSDPModule, cls) if torch_base is None else (FSDPModule, cls, torch_base)
     return type(f"FSDP{cls.__name__}", bases, namespace)
 
