@@ -122,6 +122,69 @@ def test_every_example_is_run_here_and_linked_from_the_docs() -> None:
     assert unlinked == set(), "examples no docs page mentions"
 
 
+# `fully_shard.state(module)` in these pages is torch's function of that name (its composable
+# API's state accessor), not a name of this package.
+TORCH_NAMES_IN_DOCS = {"fully_shard.state"}
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
+FROM_IMPORT = re.compile(
+    r"^\s*from\s+(fully_shard(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", flags=re.MULTILINE
+)
+CHAIN = re.compile(r"(?<![\w.])fully_shard(?:\.\w+)+")
+
+
+def _resolve_chain(chain: str) -> bool:
+    """``fully_shard.a.b`` as user code reads it after ``import fully_shard`` (or
+    ``import fully_shard.a``): attributes, where a missing one may be a submodule to import."""
+    obj: object = fully_shard
+    prefix = "fully_shard"
+    for part in chain.split(".")[1:]:
+        prefix = f"{prefix}.{part}"
+        if not hasattr(obj, part):
+            try:
+                importlib.import_module(prefix)
+            except ImportError:
+                return False
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _names_the_docs_use() -> set[tuple[str, str]]:
+    """(page, name) for every ``from fully_shard... import X`` and ``fully_shard.X...`` chain
+    in the pages' Python code blocks, and every chain in their inline code."""
+    pages = [*DOCS.glob("*.md"), *(DOCS / "recipes").glob("*.md"), REPO / "README.md"]
+    used: set[tuple[str, str]] = set()
+    for page in pages:
+        text = page.read_text()
+        blocks = [code for lang, code in FENCE.findall(text) if lang in ("python", "py", "")]
+        for code in blocks:
+            for module, names in FROM_IMPORT.findall(code):
+                for name in re.findall(r"(\w+)(?:\s+as\s+\w+)?", names.strip("()")):
+                    used.add((page.name, f"from {module} import {name}"))
+        inline = re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+        for code in [*blocks, *inline]:
+            used.update((page.name, chain) for chain in CHAIN.findall(code))
+    return used
+
+
+def _exists(name: str) -> bool:
+    if not name.startswith("from "):
+        return name in TORCH_NAMES_IN_DOCS or _resolve_chain(name)
+    _, module, _, attr = name.split()
+    try:
+        return hasattr(importlib.import_module(module), attr)
+    except ImportError:
+        return False
+
+
+def test_every_fully_shard_name_the_docs_use_exists() -> None:
+    used = _names_the_docs_use()
+    assert len(used) > 50  # the parser still finds the pages' names
+    missing = sorted(f"{page}: {name}" for page, name in used if not _exists(name))
+    assert missing == [], "names the docs use that the package lacks"
+
+
 def _run_example(script: str, argv: list[str]) -> str:
     """Inside a rank: run ``examples/<script>`` as ``__main__``; return what it printed."""
     if str(EXAMPLES) not in sys.path:
