@@ -58,6 +58,8 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "offload.py": ([], r"shards on \{'cpu'\}, optimizer state on \{'cpu'\}"),
     "activation_checkpointing.py": ([], r"step 2: loss \S+, 4 all-gathers in backward"),
     "checkpoint.py": (["--dir", "{tmp}"], r"full state dict \(\d+ tensors\) loads"),
+    # a tiny HF Llama when transformers is installed, the toy model's torch.save otherwise
+    "pretrained.py": (["--dir", "{tmp}"], r"outputs and one AdamW step match the unsharded model"),
     # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_compile.py)
     "compile.py": (["--backend", "aot_eager"], r"compiled after each step: \[(\d+), \1, \1\]"),
     "hf_llama.py": ([], r"step 2: loss \d"),
