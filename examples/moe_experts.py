@@ -2,12 +2,12 @@
 
     torchrun --standalone --nproc-per-node 4 examples/moe_experts.py   # EP 2 x expert-FSDP 2
 
-Runs on GPUs (NCCL) or on the CPU (gloo). The experts are expert parallel: a DTensor ``Shard(0)`` over
-``root["ep"]`` (each EP rank holds and computes half of the experts). ``fully_shard`` shards
-each EP rank's experts further over ``root["efsdp"]``, the ranks holding the same experts, by
-returning ``ShardPlacementResult(Shard(0), root["efsdp"])`` from ``shard_placement_fn``; the
-router and the dense layers are sharded over all ranks. So one ``fully_shard`` call owns two
-groups: one all-gather and one reduce-scatter per mesh.
+Runs on GPUs (NCCL) or on the CPU (gloo). The experts are expert parallel: a DTensor
+``Shard(0)`` over ``root["ep"]`` (each EP rank holds and computes half of the experts).
+``fully_shard`` shards each EP rank's experts further over ``root["efsdp"]``, the ranks holding
+the same experts, by returning ``ShardPlacementResult(Shard(0), root["efsdp"])`` from
+``shard_placement_fn``; the router and the dense layers are sharded over all ranks. So one
+``fully_shard`` call owns two groups: one all-gather and one reduce-scatter per mesh.
 
 A toy "soft" MoE: every expert sees every token of its EP group, weighted by the router, and
 the weighted sum over experts is a ``Partial`` DTensor summed over the EP ranks (a real MoE

@@ -5,6 +5,10 @@ The quickstart script, and the one the multi-node recipe launches::
     torchrun --standalone --nproc-per-node 2 examples/train.py
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29400 --rdzv-id job1 examples/train.py    # on each of 2 nodes
+
+Unchanged on GPUs: ``init_distributed()`` gives each process GPU ``LOCAL_RANK`` and NCCL when
+the node has a GPU per process (``--nproc-per-node 8`` on 8 GPUs), gloo on the CPU otherwise;
+each rank's first line says which.
 """
 
 from __future__ import annotations

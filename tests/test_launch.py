@@ -68,13 +68,23 @@ def test_a_gpu_node_gives_each_local_rank_its_gpu_and_nccl(
     ]
 
 
-def test_a_cpu_machine_and_a_forced_gloo_get_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    for gpus, backend in [(0, None), (8, "gloo")]:
-        node = Machine(monkeypatch, gpus=gpus)
-        d = init_distributed(backend=backend)
-        assert (d.backend, d.device) == ("gloo", torch.device("cpu"))
-        assert [name for name, _ in node.calls] == ["init_process_group", "init_device_mesh"]
-        assert node.calls[1][1][0] == ("cpu", (16,))
+@pytest.mark.parametrize(
+    ("gpus", "backend", "device"),
+    [
+        (0, None, "cpu"),  # no accelerator: gloo on the CPU
+        (8, "gloo", "cpu"),  # asked for on a GPU node
+        (8, "cpu:gloo", "cpu"),  # a per-device backend string naming gloo only
+        (8, "cpu:gloo,cuda:nccl", "cuda:3"),  # one naming the accelerator's too
+    ],
+)
+def test_the_backend_decides_between_cpu_and_gpu(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, backend: str | None, device: str
+) -> None:
+    node = Machine(monkeypatch, gpus=gpus)
+    d = init_distributed(backend=backend)
+    assert (d.backend, d.device) == (backend or "gloo", torch.device(device))
+    assert node.calls[-2][1][0][0] == (backend or "gloo")  # init_process_group's backend
+    assert node.calls[-1][1][0] == (torch.device(device).type, (16,))  # the mesh
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ from . import debug, trace
 from .api import fully_shard
 from .collectives import AllGather, Comm, CommRecord, CountingComm, ReduceScatter, TorchComm
 from .errors import (
+    FullyShardArgumentTypeError,
+    FullyShardAssertionError,
     FullyShardCopyError,
     FullyShardDesyncError,
     FullyShardError,
@@ -24,7 +26,7 @@ from .errors import (
 from .launch import Distributed, init_distributed
 from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .plan import Plan, plan
+from .plan import CheckpointedBlock, Plan, StepCosts, plan
 from .policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -38,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
+    "CheckpointedBlock",
     "Comm",
     "CommRecord",
     "CountingComm",
@@ -45,6 +48,8 @@ __all__ = [
     "Distributed",
     "FSDPMeshInfo",
     "FSDPModule",
+    "FullyShardArgumentTypeError",
+    "FullyShardAssertionError",
     "FullyShardCopyError",
     "FullyShardDesyncError",
     "FullyShardError",
@@ -61,6 +66,7 @@ __all__ = [
     "QuantizationPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
+    "StepCosts",
     "TorchComm",
     "UnshardHandle",
     "debug",

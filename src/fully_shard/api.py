@@ -86,6 +86,8 @@ def _fsdp_class(cls: type, torch_base: type | None) -> type:
     # _fsdp_original_class: what FSDPModule.__new__ builds when a container (Sequential
     # slicing) constructs a new instance of the swapped class.
     namespace = {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    if torch_base is not None and issubclass(torch_base, FSDPModule):
+        torch_base = None  # torch's name rebound to ours (or a subclass): no second base
     bases = (FSDPModule, cls) if torch_base is None else (FSDPModule, cls, torch_base)
     return type(f"FSDP{cls.__name__}", bases, namespace)
 
@@ -158,8 +160,10 @@ def fully_shard(
             (instead of ``1/W``), and backward all-gathers within those ``n`` ranks, moving
             ``1/n`` of the padded group per rank instead of ``1/W``, over the fast local
             links. ``n == W`` means ``True``; ``n == 1`` means ``False`` (with a warning), as
-            in torch. Between forward and backward the module shows the sharded DTensors
-            (torch shows DTensors on an ``n``-rank mesh). Creates the process groups of the
+            in torch. Between forward and backward the module shows, as torch's does, each
+            rank's piece as a DTensor on the ``(W/n, n)`` mesh of those groups with
+            ``(Replicate(), Shard(d))``, ``d`` its shard dim (``torch.chunk`` pieces over
+            ``n``; its ``full_tensor()`` is the parameter). Creates the process groups of the
             ``n``-rank groups, once per mesh: call it on every rank. Not with
             tensor-parallel parameters (nor in torch).
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use, or ``None`` for

@@ -126,7 +126,7 @@ class FullyShardLaunchError(FullyShardError, RuntimeError):
     Example:
         >>> from fully_shard import FullyShardLaunchError, init_distributed
         >>> try:  # doctest: +SKIP
-        ...     dist = init_distributed()
+        ...     job = init_distributed()
         ... except FullyShardLaunchError as e:
         ...     print(e)  # e.g. "8 ranks on this node but only 4 cuda device(s) ..."
     """

@@ -11,10 +11,10 @@ mesh, however it was made.
 
 Example:
     >>> from fully_shard import fully_shard, init_distributed
-    >>> dist = init_distributed()  # doctest: +SKIP  (under torchrun)
-    >>> model = Model().to(dist.device)  # doctest: +SKIP
-    >>> fully_shard(model, mesh=dist.mesh)  # doctest: +SKIP
-    >>> dist.shutdown()  # doctest: +SKIP
+    >>> job = init_distributed()  # doctest: +SKIP  (under torchrun)
+    >>> model = Model().to(job.device)  # doctest: +SKIP
+    >>> fully_shard(model, mesh=job.mesh)  # doctest: +SKIP
+    >>> job.shutdown()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ class Distributed:
         local_rank: this process's rank on its node (``LOCAL_RANK``); the accelerator index.
         backend: the default process group's backend (``"nccl"``, ``"gloo"``, ...).
         device: where this rank's tensors live: ``cuda:<local_rank>`` or ``cpu``. Create
-            models and batches here (``model.to(dist.device)``, ``to_empty(device=...)``).
+            models and batches here (``model.to(job.device)``, ``to_empty(device=...)``).
         mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` over every rank on
             ``device``'s type, shaped as asked (1-D ``(world_size,)`` by default).
 
     Example:
         >>> from fully_shard import init_distributed
-        >>> dist = init_distributed()  # doctest: +SKIP
-        >>> dist.device, dist.backend  # doctest: +SKIP
+        >>> job = init_distributed()  # doctest: +SKIP
+        >>> job.device, job.backend  # doctest: +SKIP
         (device(type='cuda', index=3), 'nccl')
     """
 
@@ -80,9 +80,9 @@ class Distributed:
         a collective makes that one fail with a connection error instead of finishing.
 
         Example:
-            >>> dist = init_distributed()  # doctest: +SKIP
+            >>> job = init_distributed()  # doctest: +SKIP
             >>> ...  # train
-            >>> dist.shutdown()  # doctest: +SKIP
+            >>> job.shutdown()  # doctest: +SKIP
         """
         dist.barrier()
         dist.destroy_process_group()
@@ -131,9 +131,9 @@ def init_distributed(
         own GPU and NCCL; the same script on a laptop gets gloo on the CPU::
 
             >>> from fully_shard import fully_shard, init_distributed
-            >>> dist = init_distributed()  # doctest: +SKIP
-            >>> model = Model().to(dist.device)  # doctest: +SKIP
-            >>> fully_shard(model, mesh=dist.mesh)  # doctest: +SKIP
+            >>> job = init_distributed()  # doctest: +SKIP
+            >>> model = Model().to(job.device)  # doctest: +SKIP
+            >>> fully_shard(model, mesh=job.mesh)  # doctest: +SKIP
             >>> hsdp = init_distributed((2, 8), ("replicate", "shard"))  # doctest: +SKIP
     """
     joined = dist.is_available() and dist.is_initialized()
