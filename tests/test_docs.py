@@ -125,9 +125,6 @@ def test_every_example_is_run_here_and_linked_from_the_docs() -> None:
     assert unlinked == set(), "examples no docs page mentions"
 
 
-# `fully_shard.state(module)` in these pages is torch's function of that name (its composable
-# API's state accessor), not a name of this package.
-TORCH_NAMES_IN_DOCS = {"fully_shard.state"}
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
 FROM_IMPORT = re.compile(
     r"^\s*from\s+(fully_shard(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", flags=re.MULTILINE
@@ -173,7 +170,7 @@ def _names_the_docs_use() -> set[tuple[str, str]]:
 
 def _exists(name: str) -> bool:
     if not name.startswith("from "):
-        return name in TORCH_NAMES_IN_DOCS or _resolve_chain(name)
+        return _resolve_chain(name)
     _, module, _, attr = name.split()
     try:
         return hasattr(importlib.import_module(module), attr)

@@ -100,6 +100,19 @@ def _redirected() -> dict[str, Any]:
         got["bases"] = type(model).__mro__.count(ours.FSDPModule)
         model(torch.randn(2, 4)).sum().backward()
         got["grads"] = [p.grad is not None for p in model.parameters()]
+        # torch's pipelining reduces a stage through `fully_shard.state(stage)` of the
+        # fully_shard it imported: with the names rebound, ours must answer it.
+        model.zero_grad()
+        model.set_requires_gradient_sync(False)
+        model(torch.randn(2, 4)).sum().backward()
+        got["kept"] = [p.grad is None for p in model.parameters()]
+        model.set_requires_gradient_sync(True)
+        view = torch_fsdp.fully_shard.state(model)
+        for state in view._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        view._root_post_backward_final_callback()
+        got["reduced"] = [p.grad is not None for p in model.parameters()]
     finally:
         torch_fsdp.fully_shard, torch_fsdp.FSDPModule = TORCH_FULLY_SHARD, TORCH_FSDP_MODULE
     return got
@@ -113,6 +126,7 @@ def test_a_library_redirected_to_ours_shards_with_it() -> None:
         assert got["late_import"] == [True, True, False]
         assert got["early_import"] and got["bases"] == 1
         assert got["grads"] == [True] * 4
+        assert got["kept"] == [True] * 4 and got["reduced"] == [True] * 4
 
 
 def test_no_method_of_torch_fsdp_module_is_reached() -> None:

@@ -392,6 +392,28 @@ def _install_runtime(
         register_with_torch_composable(m, TorchStateView(state))
 
 
+def _state(module: nn.Module) -> TorchStateView:
+    """``fully_shard.state(module)``: the entry points torch's code reads off a sharded module.
+
+    torch's ``fully_shard`` carries this attribute (its composable-API contract), and torch's
+    pipelining calls it on the ``fully_shard`` it imported to reduce a stage's gradients
+    (:mod:`fully_shard.interop`). A trainer that rebinds torch's names to ours hands it ours.
+
+    Example:
+        >>> fully_shard.state(model)._root_post_backward_final_callback()  # doctest: +SKIP
+    """
+    state = getattr(module, "_fsdp_state", None)
+    if not isinstance(state, FSDPState):
+        raise FullyShardTypeError(
+            f"fully_shard.state() got a {type(module).__name__} that fully_shard was not "
+            "called on; pass a module returned by fully_shard"
+        )
+    return TorchStateView(state)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]  # as torch's fully_shard has it
+
+
 def _check_dp_mesh_dims(
     dp_mesh_dims: object, mesh: object, reshard_after_forward: object
 ) -> SPMDPlan | None:
