@@ -170,7 +170,12 @@ def _names_the_docs_use() -> set[tuple[str, str]]:
 
 def _exists(name: str) -> bool:
     if not name.startswith("from "):
-        return _resolve_chain(name)
+        # `fully_shard.X` is the package's X or, after `from fully_shard import fully_shard`,
+        # the function's attribute X (`fully_shard.state(module)`, as torch's has it).
+        attrs = name.split(".")[1:]
+        return _resolve_chain(name) or (
+            len(attrs) == 1 and hasattr(fully_shard.fully_shard, attrs[0])
+        )
     _, module, _, attr = name.split()
     try:
         return hasattr(importlib.import_module(module), attr)
