@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_train import init_rank
 from torch.multiprocessing.spawn import spawn
 
 from fully_shard import TorchComm
@@ -91,16 +92,8 @@ def _one_size(mib: float, calls: int) -> dict[str, list[float]]:
 
 
 def _rank_main(rank: int, world: int, port: int, sizes: list[float], calls: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 deprecates the *_tensor names
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=5),
-    )
+    init_rank(rank, world, "cpu", "gloo", port, timedelta(minutes=5))  # gloo's, by design
     try:
         results = {str(mib): _one_size(mib, calls) for mib in sizes}
         gathered: list[dict[str, dict[str, list[float]]] | None] = [None] * world

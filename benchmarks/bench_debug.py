@@ -1,8 +1,9 @@
 """What the collective checker (``fully_shard.debug.check_collectives``) costs per collective.
 
-Trains a small model on W local gloo ranks, alternating steps with the checker off and on (so
-load on the machine falls on both), and prints the median step time of each, the collectives
-per step, and the median extra time per checked collective. Asserts nothing about timings.
+Trains a small model on W local ranks (gloo on CPU, NCCL on GPUs), alternating steps with the
+checker off and on (so load on the machine falls on both), and prints the median step time of
+each, the collectives per step, and the median extra time per checked collective. Asserts
+nothing about timings.
 
 Run it under torchrun (a free local port is chosen by ``--standalone``)::
 
@@ -19,9 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from fully_shard import CountingComm, debug, fully_shard
+from fully_shard import CountingComm, debug, fully_shard, init_distributed
 from fully_shard.demo import leave_rank
 
 
@@ -31,22 +31,25 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = job.mesh
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(args.dim, args.dim) for _ in range(args.layers)))
+    model.to(job.device)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     comm = CountingComm()
     model.set_comm(comm)
-    x = torch.randn(8, args.dim)
+    x = torch.randn(8, args.dim, device=job.device)
 
     def step() -> float:
         start = time.perf_counter()
         model(x).sum().backward()
         model.zero_grad()
+        if job.device.type != "cpu":  # a GPU step has ended when its kernels have
+            torch.get_device_module(job.device.type).synchronize()
         return time.perf_counter() - start
 
     step()  # lazy init, prefetch order
@@ -73,8 +76,7 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         print(json.dumps(result))
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
     leave_rank()  # no interpreter finalization: see its docstring
 
 

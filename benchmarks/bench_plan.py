@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from bench_train import SIZES, Llama, _free_port, init_rank, make_batches
 from torch import Tensor, nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.spawn import spawn
 
 from fully_shard import PlanInfeasibleError, fully_shard, plan
@@ -81,8 +80,8 @@ def _run(model: nn.Module, batches: list[Tensor], steps: int) -> tuple[int, floa
 
 
 def _rank_main(rank: int, world: int, size: str, steps: int, port: int) -> None:
-    init_rank(rank, world, "cpu", "gloo", port, timedelta(seconds=300))
-    mesh = init_device_mesh("cpu", (world,))
+    # The planner's numbers are CPU bytes (tracemalloc, the CPU allocator): CPU ranks, gloo.
+    mesh = init_rank(rank, world, "cpu", "gloo", port, timedelta(seconds=300)).mesh
     cfg = SIZES[size]
     batches = [b[rank * cfg.batch : (rank + 1) * cfg.batch] for b in make_batches(cfg, world, 4, 0)]
     torch.manual_seed(0)

@@ -34,8 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
+from bench_train import init_rank
 from torch.multiprocessing.spawn import spawn
 
 from fully_shard import demo
@@ -49,17 +49,9 @@ CONFIGS = {
 
 
 def _rank_main(rank: int, cfg: demo.DemoConfig, port: int, out: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=cfg.nproc,
-        timeout=timedelta(minutes=10),
-    )
+    job = init_rank(rank, cfg.nproc, cfg.device, "auto", port, timedelta(minutes=10))
     try:
-        losses = demo.train(rank, cfg.nproc, cfg)
+        losses = demo.train(job, cfg)
         if rank == 0:
             Path(out).write_text(json.dumps(losses))
         dist.barrier()  # leave together, as the demo does

@@ -69,6 +69,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import fully_shard as fs
 from fully_shard.demo import leave_rank
+from fully_shard.launch import Distributed, init_distributed
 from fully_shard.quantize import int8_gather_nbytes
 
 IMPLS = ("ours", "ours-int8", "fsdp2", "ddp", "ours-nogather", "plain")
@@ -653,35 +654,41 @@ def time_interleaved(
 
 def init_rank(
     rank: int, world: int, device_type: str, backend: str, port: int, timeout: timedelta
-) -> torch.device:
-    """A spawned rank's setup: one intra-op thread, its device, the default process group.
+) -> Distributed:
+    """A spawned rank's setup: one intra-op thread, torchrun's environment, the process group.
 
-    One GPU per rank with NCCL; with gloo, ranks may share GPUs (round robin).
+    ``init_distributed`` joins and picks the device, as under torchrun: one GPU per rank with
+    NCCL (``--device cuda``), the CPU with gloo (``--device cpu``). Only ranks sharing GPUs
+    (``--device cuda --backend gloo``, round robin) are set up here: one device per local rank
+    is all ``init_distributed`` makes.
     """
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
         torch.set_num_interop_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),  # rank 0 hosts the rendezvous store there
     )
-    return device
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if device_type == "cpu":
+        return init_distributed(backend="gloo", timeout=timeout)
+    if backend != "gloo":  # "auto": the device's default backend
+        return init_distributed(backend=None if backend == "auto" else backend, timeout=timeout)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, timeout=timeout)  # gloo with CUDA tensors: ranks share GPUs
+    mesh = init_device_mesh(device.type, (world,))
+    return Distributed(rank, world, rank, backend, device, mesh)
 
 
 def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
-    device = init_rank(
-        rank, opts.world, opts.device, opts.backend, port, timeout=timedelta(minutes=10)
-    )
+    job = init_rank(rank, opts.world, opts.device, opts.backend, port, timedelta(minutes=10))
+    device, mesh = job.device, job.mesh
     try:
-        mesh = init_device_mesh(device.type, (opts.world,))
         n_batches = max(opts.warmup + opts.steps, 4)
         batch = opts.model.batch
         mine = [

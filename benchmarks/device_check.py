@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_train import Llama, ModelConfig, _free_port, init_rank, make_batches
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import spawn
 from torch.utils.checkpoint import checkpoint
@@ -316,10 +316,10 @@ def run_scenario(
 
 def _rank_main(rank: int, opts: Options, port: int, out_path: str) -> None:
     timeout = timedelta(seconds=120)
-    device = init_rank(rank, opts.world, opts.device, opts.backend, port, timeout)
+    job = init_rank(rank, opts.world, opts.device, opts.backend, port, timeout)
+    device, mesh = job.device, job.mesh
     results: dict[str, Any] = {}
     try:
-        mesh = init_device_mesh(device.type, (opts.world,))
         for sc in opts.scenarios:
             t0 = time.perf_counter()
             try:

@@ -12,13 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import CountingComm, fully_shard
+from fully_shard import CountingComm, fully_shard, init_distributed
 
 
 class Checkpointed(nn.Module):
@@ -33,10 +31,10 @@ class Checkpointed(nn.Module):
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
+    model = ToyLM().to(job.device)
     for i, block in enumerate(model.layers):
         model.layers[i] = Checkpointed(block)  # checkpoint first ...
     for block in model.layers:
@@ -47,7 +45,7 @@ def main() -> None:
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(model(tokens), targets)
         comm.reset()
         loss.backward()
@@ -57,8 +55,7 @@ def main() -> None:
         log(f"step {step}: loss {loss.item():.4f}, {gathers} all-gathers in backward")
         if gathers != len(model.layers):  # each block once, for recompute and gradients
             raise RuntimeError(f"expected {len(model.layers)} all-gathers, got {gathers}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ import argparse
 import time
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 
 def main() -> None:
@@ -34,10 +32,10 @@ def main() -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend(args.backend)  # counts the frames dynamo compiles
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM(n_layers=2)
+    model = ToyLM(n_layers=2).to(job.device)
     for i, block in enumerate(list(model.layers)):
         if args.order == "titan":
             block = torch.compile(block, backend=counter, fullgraph=True)
@@ -54,7 +52,7 @@ def main() -> None:
     frames: list[int] = []
     for step in range(args.steps):
         start = time.perf_counter()
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(run(tokens), targets)
         loss.backward()
         optim.step()
@@ -64,8 +62,7 @@ def main() -> None:
     log(f"frames compiled after each step: {frames} ({args.order} order)")
     if frames != [frames[0]] * len(frames):
         raise SystemExit(f"recompiled after the first step: {frames}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import FullyShardDesyncError, debug, fully_shard
+from fully_shard import FullyShardDesyncError, debug, fully_shard, init_distributed
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
+    model = ToyLM().to(job.device)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -39,7 +38,7 @@ def main() -> None:
 
     with debug.check_collectives(timeout=10):
         for step in range(3):
-            tokens, targets = batch(step)
+            tokens, targets = batch(step, device=job.device)
             try:
                 if step == 1 and odd:
                     # Data-dependent control flow that differs on one rank: skip block 2.
@@ -60,8 +59,7 @@ def main() -> None:
             optim.step()
             optim.zero_grad()
             log(f"step {step}: loss {loss.item():.4f}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torchao.float8 import (
     Float8LinearConfig,
     convert_to_float8_training,
@@ -25,7 +24,7 @@ from torchao.float8 import (
 )
 from toy import log
 
-from fully_shard import CountingComm, fully_shard
+from fully_shard import CountingComm, fully_shard, init_distributed
 
 DIM, HIDDEN = 64, 128  # float8 matmuls want multiples of 16
 
@@ -41,10 +40,10 @@ class Block(nn.Module):
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(3)])
+    model = nn.Sequential(*[Block() for _ in range(3)]).to(job.device)
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config)  # before fully_shard
     for block in model:
@@ -58,7 +57,7 @@ def main() -> None:
     elements = sum(p.numel() for p in model.parameters())  # every weight, gathered twice a step
     for step in range(3):
         comm.reset()
-        x = torch.randn(8, DIM, generator=gen)
+        x = torch.randn(8, DIM, generator=gen).to(job.device)
         loss = F.mse_loss(model(x), x.flip(-1))
         loss.backward()
         optim.step()
@@ -67,8 +66,7 @@ def main() -> None:
         gathered = sum(r.nbytes for r in comm.records if r.op == "all_gather")
         per_element = gathered * dist.get_world_size() / (2 * elements)
         log(f"step {step}: loss {loss.item():.4f}, {per_element:.2f} bytes per gathered element")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -6,20 +6,18 @@ torchrun --standalone --nproc-per-node 2 examples/grad_accum.py
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import CountingComm, fully_shard
+from fully_shard import CountingComm, fully_shard, init_distributed
 
 MICRO_BATCHES = 4
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
+    model = ToyLM().to(job.device)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -34,7 +32,7 @@ def main() -> None:
             # gradient per parameter). On: reduce-scatter the sum once, in this backward.
             model.set_requires_gradient_sync(last)
             comm.reset()
-            tokens, targets = batch(step * MICRO_BATCHES + micro)
+            tokens, targets = batch(step * MICRO_BATCHES + micro, device=job.device)
             loss = loss_fn(model(tokens), targets) / MICRO_BATCHES
             loss.backward()
             reduced = comm.count_by_op().get("reduce_scatter", 0)
@@ -43,8 +41,7 @@ def main() -> None:
                 raise RuntimeError(f"micro-batch {micro}: expected reduction only on the last")
         optim.step()
         optim.zero_grad()
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

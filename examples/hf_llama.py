@@ -11,17 +11,15 @@ it on the meta device and load a DCP checkpoint into the shards.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import VOCAB, batch, log
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -33,21 +31,20 @@ def main() -> None:
         use_cache=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(job.device)
     for layer in model.model.layers:  # each LlamaDecoderLayer: one group
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)  # embeddings, final norm and the (tied) lm_head
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
-        tokens, _ = batch(step)
+        tokens, _ = batch(step, device=job.device)
         loss = model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels itself
         loss.backward()
         optim.step()
         optim.zero_grad()
         log(f"step {step}: loss {loss.item():.4f}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

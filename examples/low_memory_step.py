@@ -18,13 +18,11 @@ steps and drops the gradient, so no ``optimizer.step()`` follows ``backward()``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 CHUNKS = 4
 
@@ -50,10 +48,10 @@ class HiddenToyLM(ToyLM):
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = HiddenToyLM()
+    model = HiddenToyLM().to(job.device)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard([model.norm, model.head], mesh=mesh)  # one group; its forward skips the head
@@ -71,13 +69,12 @@ def main() -> None:
         p.register_post_accumulate_grad_hook(step_in_backward)
 
     for step in range(3):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = chunked_loss(model, model(tokens), targets)
         loss.backward()  # every parameter's optimizer has stepped when this returns
         stepped = sum(1 for p in optims if steps_taken[p] == step + 1)
         log(f"step {step}: loss {loss.item():.4f}, {stepped} of {len(optims)} parameters stepped")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -6,17 +6,15 @@ torchrun --standalone --nproc-per-node 2 examples/meta_init.py
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
 
     with torch.device("meta"):  # no storage: a model of any size builds instantly
         model = ToyLM()
@@ -24,12 +22,12 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the shards are meta tensors too, still no storage
 
-    model.to_empty(device="cpu")  # allocate this rank's shards only ("cuda" on GPUs)
+    model.to_empty(device=job.device)  # allocate this rank's shards only
     torch.manual_seed(0)
     model.reset_parameters()  # initialise them in place; each rank fills its own rows
 
     for name, p in model.named_parameters():
-        assert isinstance(p, DTensor) and p.device.type == "cpu", name
+        assert isinstance(p, DTensor) and p.device.type == job.device.type, name
         assert bool(torch.isfinite(p.to_local()).all()), name  # to_empty() leaves garbage
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
@@ -37,14 +35,13 @@ def main() -> None:
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(model(tokens), targets)
         loss.backward()
         optim.step()
         optim.zero_grad()
         log(f"step {step}: loss {loss.item():.4f}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -6,18 +6,16 @@ torchrun --standalone --nproc-per-node 2 examples/mixed_precision.py
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import CountingComm, MixedPrecisionPolicy, fully_shard
+from fully_shard import CountingComm, MixedPrecisionPolicy, fully_shard, init_distributed
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
+    model = ToyLM().to(job.device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -36,7 +34,7 @@ def main() -> None:
     model.layers[0].up.register_forward_hook(lambda mod, args, out: seen.add(mod.weight.dtype))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         logits = model(tokens)
         loss = loss_fn(logits, targets)
         loss.backward()
@@ -52,8 +50,7 @@ def main() -> None:
     )
     if seen != {torch.bfloat16} or master != {torch.float32}:
         raise RuntimeError(f"unexpected dtypes: compute {seen}, master {master}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 
     torchrun --standalone --nproc-per-node 4 examples/moe_experts.py   # EP 2 x expert-FSDP 2
 
-Runs on CPU with gloo. The experts are expert parallel: a DTensor ``Shard(0)`` over
-``root["ep"]`` (each EP rank holds and computes half of the experts). ``fully_shard`` shards
-each EP rank's experts further over ``root["efsdp"]``, the ranks holding the same experts, by
-returning ``ShardPlacementResult(Shard(0), root["efsdp"])`` from ``shard_placement_fn``; the
-router and the dense layers are sharded over all ranks. So one ``fully_shard`` call owns two
-groups: one all-gather and one reduce-scatter per mesh.
+Runs on GPUs (NCCL) or on the CPU (gloo). The experts are expert parallel: a DTensor
+``Shard(0)`` over ``root["ep"]`` (each EP rank holds and computes half of the experts).
+``fully_shard`` shards each EP rank's experts further over ``root["efsdp"]``, the ranks holding
+the same experts, by returning ``ShardPlacementResult(Shard(0), root["efsdp"])`` from
+``shard_placement_fn``; the router and the dense layers are sharded over all ranks. So one
+``fully_shard`` call owns two groups: one all-gather and one reduce-scatter per mesh.
 
 A toy "soft" MoE: every expert sees every token of its EP group, weighted by the router, and
 the weighted sum over experts is a ``Partial`` DTensor summed over the EP ranks (a real MoE
@@ -22,13 +22,12 @@ import argparse
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from fully_shard import CountingComm, ShardPlacementResult, fully_shard
+from fully_shard import CountingComm, ShardPlacementResult, fully_shard, init_distributed
 
 DIM, HIDDEN, EXPERTS, VOCAB, SEQ = 16, 32, 4, 32, 8
 
@@ -81,16 +80,16 @@ def main() -> None:
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU; job.mesh: 1-D over everyone
+    job = init_distributed(mesh_dim_names=("dp",))
+    device, world, rank, everyone = job.device, job.world_size, job.rank, job.mesh
     ep = 2 if world % 2 == 0 else 1
-    root = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "efsdp"))
-    everyone = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    root = init_device_mesh(device.type, (ep, world // ep), mesh_dim_names=("ep", "efsdp"))
     # EP peers compute on the same tokens; the efsdp ranks see different ones.
     data_size, data_rank = root["efsdp"].size(), root["efsdp"].get_local_rank()
 
     torch.manual_seed(0)
-    model = Model()
+    model = Model().to(device)
     reference = copy.deepcopy(model) if args.check else None
     for name in ("w_in", "w_out"):  # expert parallel: half of the experts per EP rank
         expert = getattr(model.moe, name)
@@ -110,6 +109,7 @@ def main() -> None:
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=3e-3) if reference else None
     for step in range(args.steps):
         tokens, targets = batch(step, data_size * args.batch)
+        tokens, targets = tokens.to(device), targets.to(device)
         lo = data_rank * args.batch
         logits = model(tokens[lo : lo + args.batch])
         loss = F.cross_entropy(logits, targets[lo : lo + args.batch].flatten())
@@ -149,8 +149,7 @@ def main() -> None:
             print(f"max |sharded - unsharded| over all parameters: {diff:.2e}")
         if diff > 1e-4:
             raise SystemExit(f"the sharded model drifted from the unsharded replica by {diff:.2e}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -9,18 +9,16 @@ optimizer steps on the CPU. On a CPU-only machine (as here) it changes nothing.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import CPUOffloadPolicy, fully_shard
+from fully_shard import CPUOffloadPolicy, fully_shard, init_distributed
 
 
 def main() -> None:
-    dist.init_process_group("gloo")  # on GPUs: "nccl", init_device_mesh("cuda", ...)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
+    model = ToyLM().to(job.device)  # the shards move to the CPU in fully_shard
     offload = CPUOffloadPolicy(pin_memory=True)  # pinned only when CUDA is present
     for block in model.layers:
         fully_shard(block, mesh=mesh, offload_policy=offload)
@@ -28,7 +26,7 @@ def main() -> None:
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(model(tokens), targets)
         loss.backward()
         optim.step()
@@ -39,8 +37,7 @@ def main() -> None:
     log(f"shards on {devices}, optimizer state on {states}")
     if devices != {"cpu"} or states != {"cpu"}:
         raise RuntimeError(f"offloaded state is not on the CPU: {devices}, {states}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -13,18 +13,16 @@ adapters get gradients, reductions and optimizer state.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
-from torch.distributed.device_mesh import init_device_mesh
 from toy import VOCAB, batch, log
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -35,7 +33,7 @@ def main() -> None:
         use_cache=False,
     )
     torch.manual_seed(0)
-    base = LlamaForCausalLM(config)  # or from_pretrained(...) on every rank
+    base = LlamaForCausalLM(config).to(job.device)  # or from_pretrained(...) on every rank
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = get_peft_model(base, lora)
     for layer in base.model.layers:  # frozen q/k/v/o/mlp weights + trainable lora_A/lora_B
@@ -46,7 +44,7 @@ def main() -> None:
     total = sum(1 for _ in model.parameters())
     optim = torch.optim.AdamW(trainable, lr=1e-3)  # optimizer state for the adapters only
     for step in range(3):
-        tokens, _ = batch(step)
+        tokens, _ = batch(step, device=job.device)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optim.step()
@@ -54,8 +52,7 @@ def main() -> None:
         log(
             f"step {step}: loss {loss.item():.4f}, {len(trainable)} of {total} parameters trainable"
         )
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -11,19 +11,17 @@ give something up; the script prints the plan's table and the step's losses.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import PlanInfeasibleError, plan
+from fully_shard import PlanInfeasibleError, init_distributed, plan
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
-    tokens, targets = batch(0)
+    model = ToyLM().to(job.device)
+    tokens, targets = batch(0, device=job.device)
 
     def step_loss(output: torch.Tensor) -> torch.Tensor:
         # The loss the training loop computes (the planner runs it on fake tensors).
@@ -41,14 +39,13 @@ def main() -> None:
     chosen.apply(model, mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(model(tokens), targets)
         loss.backward()
         optim.step()
         optim.zero_grad()
         log(f"step {step}: loss {loss.item():.4f}, planned peak {chosen.peak_bytes} bytes")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -59,10 +59,15 @@ class ToyLM(nn.Module):
         self.head.reset_parameters()
 
 
-def batch(step: int, rows: int = 4) -> tuple[Tensor, Tensor]:
-    """This rank's (tokens, targets) for ``step``: different data on every rank."""
+def batch(
+    step: int, rows: int = 4, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
+    """This rank's (tokens, targets) for ``step`` on ``device``: different data on every rank.
+
+    Drawn on the CPU, then moved, so every device sees the same numbers.
+    """
     gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-    seq = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    seq = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen).to(device)
     return seq[:, :-1], seq[:, 1:]
 
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from llama import Llama, apply_tensor_parallel
@@ -24,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 VOCAB, SEQ = 64, 16
 
@@ -46,12 +44,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="save a DCP checkpoint here")
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = "cuda" if use_cuda else "cpu"
-    world, rank = dist.get_world_size(), dist.get_rank()
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    device, world, rank = job.device, job.world_size, job.rank
     if world % 2:
         raise SystemExit(f"a 2-D mesh needs an even number of ranks, got {world}")
 
@@ -60,14 +54,16 @@ def main() -> None:
     reference = copy.deepcopy(model) if args.check else None
     if args.mode == "tp":
         # dp x tp = (world / 2) x 2: TP inside each pair of ranks, FSDP across the pairs.
-        root = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        root = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         apply_tensor_parallel(model, root["tp"])
         dp_mesh = root["dp"]
         dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     else:
         # replicate x shard = 2 x (world / 2): gradients reduce-scattered inside each half,
         # all-reduced across the halves; all ranks are data parallel.
-        dp_mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dp_mesh = init_device_mesh(
+            device.type, (2, world // 2), mesh_dim_names=("replicate", "shard")
+        )
         dp_size, dp_rank = world, rank
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh)
@@ -116,8 +112,7 @@ def main() -> None:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
         if rank == 0:
             print(f"saved a DCP checkpoint to {args.checkpoint}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

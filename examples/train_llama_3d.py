@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import time
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from llama import Llama, apply_tensor_parallel
@@ -28,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 VOCAB, SEQ = 64, 16
 
@@ -58,19 +56,15 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="save a DCP checkpoint here")
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = "cuda" if use_cuda else "cpu"
-    world, rank = dist.get_world_size(), dist.get_rank()
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    device, world, rank = job.device, job.world_size, job.rank
     shape = tuple(args.shape) if args.shape else default_shape(world)
     if shape[0] * shape[1] * shape[2] != world:
         raise SystemExit(
             f"--shape {shape} needs {shape[0] * shape[1] * shape[2]} ranks, got {world}"
         )
 
-    root = init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard", "tp"))
+    root = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard", "tp"))
     dp_mesh = root["replicate", "shard"]  # the 2-D (replicate, shard) HSDP mesh
     # The data-parallel rank: TP peers (same replicate and shard index) see the same rows.
     dp_size = shape[0] * shape[1]
@@ -134,8 +128,7 @@ def main() -> None:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
         if rank == 0:
             print(f"saved a DCP checkpoint to {args.checkpoint}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
-from fully_shard import CountingComm, fully_shard
+from fully_shard import CountingComm, fully_shard, init_distributed
 
 VOCAB, SEQ, LAYERS = 64, 16, 4
 SINGLE = {"GPipe", "1F1B"}
@@ -84,16 +84,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="rows per data-parallel rank")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
+    device, world, rank = job.device, job.world_size, job.rank
     if world % 2:
         raise SystemExit(f"2 pipeline stages x dp ranks need an even world size, got {world}")
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_mesh = mesh["pp"].get_local_rank(), mesh["dp"]
     dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
 
     torch.manual_seed(0)
-    reference = Llama(vocab=VOCAB, n_layers=LAYERS)
+    reference = Llama(vocab=VOCAB, n_layers=LAYERS).to(device)
     n_stages = 2 if args.schedule in SINGLE else 4
     if n_stages == 2:
         mine = [pp_rank]
@@ -111,9 +111,7 @@ def main() -> None:
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
         stage.set_comm(counter)
         modules.append(stage)
-        stages.append(
-            PipelineStage(stage, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
-        )
+        stages.append(PipelineStage(stage, s, n_stages, device, group=mesh["pp"].get_group()))
     schedule_cls = getattr(pipelining, f"Schedule{args.schedule}")
     schedule = schedule_cls(
         stages[0] if n_stages == 2 else stages, n_microbatches=args.microbatches, loss_fn=loss_fn
@@ -123,6 +121,7 @@ def main() -> None:
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     for step in range(args.steps):
         tokens, targets = batch(step, dp_size * args.batch)
+        tokens, targets = tokens.to(device), targets.to(device)
         lo = dp_rank * args.batch
         before = sum(r.op == "reduce_scatter" for r in counter.records)
         inputs = (tokens[lo : lo + args.batch],) if 0 in mine else ()
@@ -150,14 +149,13 @@ def main() -> None:
         part = LlamaStage(reference, s * per, (s + 1) * per)
         for p, q in zip(module.parameters(), part.parameters(), strict=True):
             diff = max(diff, (p.full_tensor() - q).abs().max().item())
-    result = torch.tensor([diff])
+    result = torch.tensor([diff], device=device)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"max |pipelined + sharded - unsharded| over all parameters: {result.item():.2e}")
     if result.item() > 1e-4:
         raise SystemExit(f"the pipelined model drifted from the unsharded one by {diff:.2e}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

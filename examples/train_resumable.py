@@ -11,7 +11,8 @@ What a checkpoint holds, so that a resumed run continues bit for bit where it st
 - model and optimizer state (sharded DTensors, saved with ``torch.distributed.checkpoint``, so
   a checkpoint also loads at another world size);
 - the step and the data position (how many samples of the deterministic stream were used);
-- each rank's torch RNG state (dropout draws differ per rank), in ``rank<r>.pt``.
+- each rank's torch RNG state (dropout draws differ per rank; the GPU's too on a GPU), in
+  ``rank<r>.pt``.
 
 A checkpoint is written into ``step_<n>.partial/`` and renamed to ``step_<n>/`` by rank 0 only
 after every rank has finished writing, so a kill in the middle of a save leaves a ``.partial``
@@ -39,10 +40,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fully_shard import fully_shard
+from fully_shard import Distributed, fully_shard, init_distributed
 
 _DONE = re.compile(r"^step_(\d+)$")
 
@@ -90,7 +90,7 @@ class Net(nn.Module):
         return x
 
 
-def _batch(cfg: Config, samples_seen: int) -> tuple[Tensor, Tensor]:
+def _batch(cfg: Config, samples_seen: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """This rank's rows of the global batch that starts at sample ``samples_seen``.
 
     The stream is a pure function of the position, so a resumed run reads the same data.
@@ -100,7 +100,7 @@ def _batch(cfg: Config, samples_seen: int) -> tuple[Tensor, Tensor]:
     x = torch.randn(world * cfg.batch, 8, generator=gen)
     y = torch.randn(world * cfg.batch, 4, generator=gen)
     rows = slice(rank * cfg.batch, (rank + 1) * cfg.batch)
-    return x[rows], y[rows]
+    return x[rows].to(device), y[rows].to(device)
 
 
 def _maybe_crash(cfg: Config, step: int, when: str) -> None:
@@ -125,7 +125,10 @@ def save(cfg: Config, model: nn.Module, optim: torch.optim.Optimizer, step: int)
     model_sd, optim_sd = get_state_dict(model, optim)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     extra = {"step": step, "samples_seen": step * cfg.batch * dist.get_world_size()}
-    torch.save({**extra, "rng": torch.get_rng_state()}, partial / f"rank{dist.get_rank()}.pt")
+    rng = {"rng": torch.get_rng_state()}
+    if torch.cuda.is_initialized():  # dropout on a GPU draws from the GPU's generator
+        rng["cuda_rng"] = torch.cuda.get_rng_state()
+    torch.save({**extra, **rng}, partial / f"rank{dist.get_rank()}.pt")
     _maybe_crash(cfg, step, "save")
     dist.barrier()  # every rank's files are written before the checkpoint becomes complete
     if dist.get_rank() == 0:
@@ -153,6 +156,8 @@ def load(cfg: Config, model: nn.Module, optim: torch.optim.Optimizer) -> int:
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     extra = torch.load(latest / f"rank{dist.get_rank()}.pt", weights_only=True)
     torch.set_rng_state(extra["rng"])
+    if "cuda_rng" in extra:
+        torch.cuda.set_rng_state(extra["cuda_rng"])
     step = int(extra["step"])
     if extra["samples_seen"] != step * cfg.batch * dist.get_world_size():
         raise RuntimeError(f"{latest}: data position does not match step {step}")
@@ -161,11 +166,11 @@ def load(cfg: Config, model: nn.Module, optim: torch.optim.Optimizer) -> int:
     return step
 
 
-def train(cfg: Config) -> dict[str, Tensor]:
+def train(cfg: Config, job: Distributed) -> dict[str, Tensor]:
     """Train ``cfg.steps`` steps (resuming if a checkpoint exists); return the full params."""
     torch.manual_seed(cfg.seed)  # identical initial parameters on every rank
-    model = Net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Net().to(job.device)
+    mesh = job.mesh
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -173,7 +178,7 @@ def train(cfg: Config) -> dict[str, Tensor]:
     torch.manual_seed(cfg.seed + 1 + dist.get_rank())  # dropout differs per rank
     start = load(cfg, model, optim)
     for step in range(start + 1, cfg.steps + 1):
-        x, y = _batch(cfg, (step - 1) * cfg.batch * dist.get_world_size())
+        x, y = _batch(cfg, (step - 1) * cfg.batch * dist.get_world_size(), job.device)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         _maybe_crash(cfg, step, "step")
@@ -183,15 +188,14 @@ def train(cfg: Config) -> dict[str, Tensor]:
             save(cfg, model, optim, step)
     full = {}
     for name, p in model.named_parameters():
-        full[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        full[name] = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu()
     return full
 
 
-def _init_process_group() -> None:
+def _join() -> Distributed:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group("gloo")
-        return
+        return init_distributed()
     # Under torchrun every attempt meets in the same rendezvous store. Seen on torch 2.13: a
     # restarted group sometimes hangs in gloo's connect, finding keys the dead attempt left;
     # a prefix per attempt keeps each attempt's keys apart.
@@ -202,7 +206,10 @@ def _init_process_group() -> None:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=host
     )
     prefixed = dist.PrefixStore(f"train_resumable/attempt{attempt}", store)
-    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+    # No backend named: torch makes one per device type (gloo for CPU tensors, NCCL for CUDA
+    # ones), and init_distributed() keeps this group and picks the device.
+    dist.init_process_group(store=prefixed, rank=rank, world_size=world)
+    return init_distributed()
 
 
 def main() -> None:
@@ -214,14 +221,13 @@ def main() -> None:
     parser.add_argument("--crash", type=Crash.parse, action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)  # bitwise reproducible CPU kernels, whatever the core count
-    _init_process_group()
+    job = _join()
     cfg = Config(args.steps, args.ckpt_every, args.ckpt_dir, crashes=tuple(args.crash))
-    full = train(cfg)
+    full = train(cfg, job)
     if args.out and dist.get_rank() == 0:
         torch.save(full, args.out)
         print(f"[rank 0] finished {cfg.steps} steps", flush=True)
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":

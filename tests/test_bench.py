@@ -157,7 +157,10 @@ def test_bench_quant_loss_compares_curves_with_the_fp32_run(tmp_path: Path) -> N
         assert not png.exists() and "plot skipped" in proc.stdout
 
 
-def test_bench_quant_loss_summarizes_each_config_over_seeds() -> None:
+def test_bench_quant_loss_summarizes_each_config_over_seeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_QUANT_LOSS.parent))  # its sibling bench_train, as run
     spec = importlib.util.spec_from_file_location("bench_quant_loss", BENCH_QUANT_LOSS)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

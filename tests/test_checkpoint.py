@@ -163,3 +163,33 @@ def _state_dict_round_trip() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_round_trip(world: int) -> None:
     run_distributed(_state_dict_round_trip, world)
+
+
+def _pretrained_from_rank0() -> dict[str, float]:
+    # The checkpoint, "loaded normally" into the unsharded reference on every rank; only rank 0
+    # passes it on. The sharded model is built on meta and never holds the full tensors.
+    reference = _build()
+    full = reference.state_dict() if torch.distributed.get_rank() == 0 else {}
+    with torch.device("meta"):
+        model = _shard(_build())
+    model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    gen = torch.Generator().manual_seed(1)  # the same batch on every rank
+    x, y = torch.randn(4, DIMS[0], generator=gen), torch.randn(4, DIMS[-1], generator=gen)
+    diffs = {"output": (model(x) - reference(x)).abs().max().item()}
+    for m in (model, reference):  # one AdamW step on the same batch
+        optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        nn.functional.mse_loss(m(x), y).backward()
+        optim.step()
+    diffs["params"] = max(
+        (_full(p) - reference.get_parameter(name)).abs().max().item()
+        for name, p in model.named_parameters()
+    )
+    return diffs
+
+
+def test_pretrained_weights_broadcast_from_rank0_into_a_meta_built_model() -> None:
+    """docs/recipes/hugging-face.md's loading path on uneven shards (13 rows over 2 ranks)."""
+    for diffs in run_distributed(_pretrained_from_rank0, 2):
+        assert diffs["output"] <= 1e-6 and diffs["params"] <= 1e-6, diffs

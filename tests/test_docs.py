@@ -11,11 +11,12 @@
 How the examples are launched. Under ``torchrun`` each one costs three fresh interpreters that
 import torch: 12 s of CPU, 12-26 s on the 2 busy cores of CI, 3 minutes for all nine. So each
 script runs as ``__main__`` (``runpy``, with its command line in ``sys.argv``) on the warm
-2-rank pool of ``harness.py``, where the process group already exists: the script's
-``init_process_group`` and ``destroy_process_group`` calls are made no-ops, nothing else is
-changed. The launcher itself is tested by running ``examples/train.py`` under
-``torchrun --standalone --nproc-per-node 2`` here and under ``torchrun --nnodes 2`` in
-``test_multinode.py``.
+2-rank pool of ``harness.py``, where the process group already exists: each script joins it
+with ``fully_shard.init_distributed()`` (which keeps an existing group; the test checks the
+call, and that no script calls ``init_process_group`` itself), its ``destroy_process_group``
+is made a no-op, nothing else is changed. The launcher itself is tested by running
+``examples/train.py`` under ``torchrun --standalone --nproc-per-node 2`` here and under
+``torchrun --nnodes 2`` in ``test_multinode.py``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "offload.py": ([], r"shards on \{'cpu'\}, optimizer state on \{'cpu'\}"),
     "activation_checkpointing.py": ([], r"step 2: loss \S+, 4 all-gathers in backward"),
     "checkpoint.py": (["--dir", "{tmp}"], r"full state dict \(\d+ tensors\) loads"),
+    # a tiny HF Llama when transformers is installed, the toy model's torch.save otherwise
+    "pretrained.py": (["--dir", "{tmp}"], r"outputs and one AdamW step match the unsharded model"),
     # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_compile.py)
     "compile.py": (["--backend", "aot_eager"], r"compiled after each step: \[(\d+), \1, \1\]"),
     "hf_llama.py": ([], r"step 2: loss \d"),
@@ -123,19 +126,154 @@ def test_every_example_is_run_here_and_linked_from_the_docs() -> None:
     assert unlinked == set(), "examples no docs page mentions"
 
 
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
+FROM_IMPORT = re.compile(
+    r"^\s*from\s+(fully_shard(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", flags=re.MULTILINE
+)
+CHAIN = re.compile(r"(?<![\w.])fully_shard(?:\.\w+)+")
+
+
+def _resolve_chain(chain: str) -> bool:
+    """``fully_shard.a.b`` as user code reads it after ``import fully_shard`` (or
+    ``import fully_shard.a``): attributes, where a missing one may be a submodule to import."""
+    obj: object = fully_shard
+    prefix = "fully_shard"
+    for part in chain.split(".")[1:]:
+        prefix = f"{prefix}.{part}"
+        if not hasattr(obj, part):
+            try:
+                importlib.import_module(prefix)
+            except ImportError:
+                return False
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _names_the_docs_use() -> set[tuple[str, str]]:
+    """(page, name) for every ``from fully_shard... import X`` and ``fully_shard.X...`` chain
+    in the pages' Python code blocks, and every chain in their inline code."""
+    pages = [*DOCS.glob("*.md"), *(DOCS / "recipes").glob("*.md"), REPO / "README.md"]
+    used: set[tuple[str, str]] = set()
+    for page in pages:
+        text = page.read_text()
+        blocks = [code for lang, code in FENCE.findall(text) if lang in ("python", "py", "")]
+        for code in blocks:
+            for module, names in FROM_IMPORT.findall(code):
+                for name in re.findall(r"(\w+)(?:\s+as\s+\w+)?", names.strip("()")):
+                    used.add((page.name, f"from {module} import {name}"))
+        inline = re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+        for code in [*blocks, *inline]:
+            used.update((page.name, chain) for chain in CHAIN.findall(code))
+    return used
+
+
+def _exists(name: str) -> bool:
+    if not name.startswith("from "):
+        # `fully_shard.X` is the package's X or, after `from fully_shard import fully_shard`,
+        # the function's attribute X (`fully_shard.state(module)`, as torch's has it).
+        attrs = name.split(".")[1:]
+        return _resolve_chain(name) or (
+            len(attrs) == 1 and hasattr(fully_shard.fully_shard, attrs[0])
+        )
+    _, module, _, attr = name.split()
+    try:
+        return hasattr(importlib.import_module(module), attr)
+    except ImportError:
+        return False
+
+
+def test_every_fully_shard_name_the_docs_use_exists() -> None:
+    used = _names_the_docs_use()
+    assert len(used) > 50  # the parser still finds the pages' names
+    missing = sorted(f"{page}: {name}" for page, name in used if not _exists(name))
+    assert missing == [], "names the docs use that the package lacks"
+
+
+# Where a script may still name the CPU or gloo itself: the user's own choice on the command
+# line, or what the script measures. Everything else is init_distributed's to decide.
+# (file, the line, stripped) -> why
+INHERENTLY_CPU = {
+    (
+        "bench_collectives.py",
+        'init_rank(rank, world, "cpu", "gloo", port, timedelta(minutes=5))  # gloo\'s, by design',
+    ): "it measures gloo's collectives against TorchComm's on gloo",
+    (
+        "bench_plan.py",
+        'mesh = init_rank(rank, world, "cpu", "gloo", port, timedelta(seconds=300)).mesh',
+    ): "the planner's numbers are CPU bytes (tracemalloc)",
+    (
+        "bench_train.py",
+        'backend: str = "gloo"  # "nccl" for --device cuda unless --backend gloo',
+    ): "the --backend flag's resolved value",
+    (
+        "bench_train.py",
+        'return init_distributed(backend="gloo", timeout=timeout)',
+    ): "--device cpu: the user asked for CPU ranks",
+    (
+        "bench_train.py",
+        'if backend != "gloo":  # "auto": the device\'s default backend',
+    ): "--device cuda --backend gloo: ranks sharing a GPU, which init_distributed refuses",
+    (
+        "bench_train.py",
+        'device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")',
+    ): "the parent's reference run, on the --device asked for",
+    ("bench_train.py", 'choices=("auto", "gloo", "nccl"),'): "the --backend flag",
+    ("bench_train.py", 'backend = "nccl" if args.device == "cuda" else "gloo"'): "--backend auto",
+    (
+        "device_check.py",
+        'parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")',
+    ): "the --backend flag",
+    ("device_check.py", 'backend = "nccl" if args.device == "cuda" else "gloo"'): "--backend auto",
+    (
+        "device_check.py",
+        'device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")',
+    ): "the parent's reference run, on the --device asked for",
+    (
+        "demo.py",
+        'backend="gloo" if cfg.device == "cpu" else None, timeout=timedelta(seconds=cfg.timeout_s)',
+    ): "--device cpu",
+}
+HARD_CODED = re.compile(
+    r'"gloo"|init_device_mesh\("cpu"|device="cpu"|torch\.device\("cpu"\)|init_process_group\("'
+)
+
+
+def test_no_script_hard_codes_the_cpu_or_gloo() -> None:
+    scripts = [
+        *EXAMPLES.glob("*.py"),
+        *(REPO / "benchmarks").glob("*.py"),
+        REPO / "src" / "fully_shard" / "demo.py",
+    ]
+    found = {
+        (path.name, line.strip())
+        for path in scripts
+        for line in path.read_text().splitlines()
+        if HARD_CODED.search(line)
+    }
+    assert found - INHERENTLY_CPU.keys() == set(), "use init_distributed()'s device and mesh"
+    assert INHERENTLY_CPU.keys() - found == set(), "stale entries: drop them"
+
+
 def _run_example(script: str, argv: list[str]) -> str:
     """Inside a rank: run ``examples/<script>`` as ``__main__``; return what it printed."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))  # as torchrun does: the script's folder first
     torch._dynamo.reset()  # compile.py: no graphs cached from an earlier job on this worker
     out = io.StringIO()
+    refuse = AssertionError(f"{script} calls init_process_group; join with init_distributed()")
+    joined = mock.Mock(wraps=fully_shard.init_distributed)
     with (
         mock.patch.object(sys, "argv", [str(EXAMPLES / script), *argv]),
-        mock.patch.object(dist, "init_process_group"),  # the pool's group is already up
-        mock.patch.object(dist, "destroy_process_group"),  # and stays up for the next job
+        mock.patch.object(dist, "init_process_group", side_effect=refuse),
+        mock.patch.object(dist, "destroy_process_group"),  # the pool's group stays up
+        mock.patch.object(fully_shard, "init_distributed", joined),
         contextlib.redirect_stdout(out),
     ):
         runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    if not joined.called:
+        raise AssertionError(f"{script} never called fully_shard.init_distributed()")
     return out.getvalue()
 
 

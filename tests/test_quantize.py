@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fully_shard.collectives import copy_in, split_sizes, wire_dtype
+from fully_shard.packing import copy_in, split_sizes, wire_dtype
 from fully_shard.quantize import (
     PLAIN,
     QMAX,

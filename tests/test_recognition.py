@@ -76,6 +76,59 @@ def test_recognised_by_torch_pipelining_accelerate_and_old_imports() -> None:
         assert got["grads"] == [True] * 4
 
 
+# What a library that imported torch's names at import time holds: torch's own objects.
+TORCH_FSDP_MODULE, TORCH_FULLY_SHARD = torch_fsdp.FSDPModule, torch_fsdp.fully_shard
+
+
+def _library_shards(model: nn.Sequential) -> list[bool]:
+    """A library that imports torch's FSDP2 names when it runs (after the user's redirect)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard as shard
+
+    shard(model[0], mesh=mesh_1d())
+    shard(model, mesh=mesh_1d())
+    return [isinstance(m, FSDPModule) for m in (model, model[0], model[1])]
+
+
+def _redirected() -> dict[str, Any]:
+    torch_fsdp.fully_shard, torch_fsdp.FSDPModule = ours.fully_shard, ours.FSDPModule
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+        got: dict[str, Any] = {"late_import": _library_shards(model)}
+        got["early_import"] = isinstance(model, TORCH_FSDP_MODULE)
+        got["bases"] = type(model).__mro__.count(ours.FSDPModule)
+        model(torch.randn(2, 4)).sum().backward()
+        got["grads"] = [p.grad is not None for p in model.parameters()]
+        # torch's pipelining reduces a stage through `fully_shard.state(stage)` of the
+        # fully_shard it imported: with the names rebound, ours must answer it.
+        model.zero_grad()
+        model.set_requires_gradient_sync(False)
+        model(torch.randn(2, 4)).sum().backward()
+        got["kept"] = [p.grad is None for p in model.parameters()]
+        model.set_requires_gradient_sync(True)
+        view = torch_fsdp.fully_shard.state(model)
+        for state in view._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        view._root_post_backward_final_callback()
+        got["reduced"] = [p.grad is not None for p in model.parameters()]
+    finally:
+        torch_fsdp.fully_shard, torch_fsdp.FSDPModule = TORCH_FULLY_SHARD, TORCH_FSDP_MODULE
+    return got
+
+
+def test_a_library_redirected_to_ours_shards_with_it() -> None:
+    """``torch.distributed.fsdp.fully_shard = fully_shard.fully_shard`` (and ``FSDPModule``):
+    a library that imports the names when it runs gets ours and recognises the result, one
+    that imported torch's before the redirect still recognises it as torch's FSDPModule."""
+    for got in run_distributed(_redirected, 2):
+        assert got["late_import"] == [True, True, False]
+        assert got["early_import"] and got["bases"] == 1
+        assert got["grads"] == [True] * 4
+        assert got["kept"] == [True] * 4 and got["reduced"] == [True] * 4
+
+
 def test_no_method_of_torch_fsdp_module_is_reached() -> None:
     """Every name torch's FSDPModule defines is defined by ours, which comes first in the MRO,
     so being recognised never runs torch's code."""

@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+from fully_shard import init_distributed
 from harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,8 @@ def _example() -> ModuleType:
 
 def _uninterrupted() -> dict[str, torch.Tensor]:
     example = _example()
-    return example.train(example.Config(steps=STEPS, ckpt_every=EVERY))  # type: ignore[no-any-return]
+    job = init_distributed()  # the pool's group, kept
+    return example.train(example.Config(steps=STEPS, ckpt_every=EVERY), job)  # type: ignore[no-any-return]
 
 
 def test_killed_ranks_resume_from_the_last_complete_checkpoint(tmp_path: Path) -> None:

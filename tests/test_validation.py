@@ -395,6 +395,13 @@ def _bad_runtime_calls() -> None:
     # none of the rejected calls changed anything: a step still works
     model(torch.randn(3, 5)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+    # A meta-built block under a root: the first forward names the parameter from the root
+    # (its state_dict() key), not from the block that fully_shard was called on.
+    root = nn.Sequential(nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 3, device="meta")))
+    fully_shard(root[1], mesh=mesh_1d())
+    fully_shard(root, mesh=mesh_1d())
+    with pytest.raises(FullyShardStateError, match=r"parameter '1\.0\.weight' is still on"):
+        root(torch.randn(2, 5))
 
 
 def test_bad_runtime_calls() -> None:

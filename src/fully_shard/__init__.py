@@ -11,19 +11,23 @@ from . import debug, optim, trace
 from .api import fully_shard
 from .collectives import AllGather, Comm, CommRecord, CountingComm, ReduceScatter, TorchComm
 from .errors import (
+    FullyShardArgumentTypeError,
+    FullyShardAssertionError,
     FullyShardCopyError,
     FullyShardDesyncError,
     FullyShardError,
+    FullyShardLaunchError,
     FullyShardNotImplementedError,
     FullyShardStateError,
     FullyShardTypeError,
     FullyShardValueError,
     PlanInfeasibleError,
 )
+from .launch import Distributed, init_distributed
 from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .optim import Muon
-from .plan import Plan, plan
+from .plan import CheckpointedBlock, Plan, StepCosts, plan
 from .policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -37,15 +41,20 @@ __version__ = "0.1.0"
 __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
+    "CheckpointedBlock",
     "Comm",
     "CommRecord",
     "CountingComm",
     "DataParallelMeshDims",
+    "Distributed",
     "FSDPMeshInfo",
     "FSDPModule",
+    "FullyShardArgumentTypeError",
+    "FullyShardAssertionError",
     "FullyShardCopyError",
     "FullyShardDesyncError",
     "FullyShardError",
+    "FullyShardLaunchError",
     "FullyShardNotImplementedError",
     "FullyShardStateError",
     "FullyShardTypeError",
@@ -59,10 +68,12 @@ __all__ = [
     "QuantizationPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
+    "StepCosts",
     "TorchComm",
     "UnshardHandle",
     "debug",
     "fully_shard",
+    "init_distributed",
     "optim",
     "plan",
     "register_fsdp_forward_method",

@@ -285,10 +285,21 @@ def torch_fsdp_module_class() -> type | None:
     ``torch.compiler.disable`` loads before the class swap, so in practice every module is
     recognised whatever the user imported first. Public name, private lookup; run on 2.13
     (2.6 exports the class there too).
+
+    Users who make a library call ours rebind torch's names
+    (``torch.distributed.fsdp.FSDPModule = fully_shard.FSDPModule``); the public name then is
+    our own class, and adding it as a base again would fail (``duplicate base class``). So
+    the class is read first where torch defines it, the private
+    ``torch.distributed.fsdp._fully_shard._fully_shard`` (run on 2.13; the public name is the
+    fallback where that module differs), which users do not rebind, and a class that is not
+    torch's (ours, or a subclass of ours) is never returned: the ``__module__`` of torch's
+    starts with ``torch.`` (2.13 sets it to ``torch.distributed.fsdp``).
     """
-    package = sys.modules.get("torch.distributed.fsdp")
-    cls = getattr(package, "FSDPModule", None)
-    return cls if isinstance(cls, type) else None
+    for where in ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed.fsdp"):
+        cls = getattr(sys.modules.get(where), "FSDPModule", None)
+        if isinstance(cls, type) and cls.__module__.startswith("torch."):
+            return cls
+    return None
 
 
 class _StateRegistry(dict[Any, Any]):

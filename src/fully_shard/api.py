@@ -10,7 +10,7 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar, overload
+from typing import TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._compat import register_with_torch_composable, torch_fsdp_module_class
 from .collectives import TorchComm
-from .debug import check_from_environment
 from .errors import (
     FullyShardArgumentTypeError,
     FullyShardAssertionError,
@@ -40,6 +39,7 @@ from .mesh import (
     post_forward_subgroup,
 )
 from .module import FSDPModule
+from .observer import JOB_WIDE
 from .param import ShardedParam
 from .policies import (
     DataParallelMeshDims,
@@ -86,6 +86,8 @@ def _fsdp_class(cls: type, torch_base: type | None) -> type:
     # _fsdp_original_class: what FSDPModule.__new__ builds when a container (Sequential
     # slicing) constructs a new instance of the swapped class.
     namespace = {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    if torch_base is not None and issubclass(torch_base, FSDPModule):
+        torch_base = None  # torch's name rebound to ours (or a subclass): no second base
     bases = (FSDPModule, cls) if torch_base is None else (FSDPModule, cls, torch_base)
     return type(f"FSDP{cls.__name__}", bases, namespace)
 
@@ -158,8 +160,10 @@ def fully_shard(
             (instead of ``1/W``), and backward all-gathers within those ``n`` ranks, moving
             ``1/n`` of the padded group per rank instead of ``1/W``, over the fast local
             links. ``n == W`` means ``True``; ``n == 1`` means ``False`` (with a warning), as
-            in torch. Between forward and backward the module shows the sharded DTensors
-            (torch shows DTensors on an ``n``-rank mesh). Creates the process groups of the
+            in torch. Between forward and backward the module shows, as torch's does, each
+            rank's piece as a DTensor on the ``(W/n, n)`` mesh of those groups with
+            ``(Replicate(), Shard(d))``, ``d`` its shard dim (``torch.chunk`` pieces over
+            ``n``; its ``full_tensor()`` is the parameter). Creates the process groups of the
             ``n``-rank groups, once per mesh: call it on every rank. Not with
             tensor-parallel parameters (nor in torch).
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use, or ``None`` for
@@ -194,6 +198,61 @@ def fully_shard(
         >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> optim = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
     """
+    call = _check_arguments(
+        module,
+        mesh,
+        reshard_after_forward,
+        shard_placement_fn,
+        mp_policy,
+        offload_policy,
+        ignored_params,
+        dp_mesh_dims,
+        quantization_policy,
+    )
+    planned = _plan_groups(call, shard_placement_fn, reshard_after_forward)
+    # -- every check passed: from here on the module changes --------------------------------
+    JOB_WIDE.switch_on_from_environment()  # e.g. FULLY_SHARD_CHECK_COLLECTIVES=1, job-wide
+    groups = _build_groups(call, planned)
+    _install_runtime(call.modules, groups, [plan for g in planned for plan in g.plans])
+    return module
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The arguments of one ``fully_shard`` call, checked (nothing is changed yet)."""
+
+    modules: tuple[nn.Module, ...]
+    info: MeshInfo  # the call's own mesh (with dp_mesh_dims: the flattened SPMD mesh's)
+    spmd: SPMDMesh | None
+    reshard_flag: bool | None
+    post_forward_size: int | None  # reshard_after_forward=<int>: the n-rank group size
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    quantization_policy: QuantizationPolicy
+    found: list[_Found]  # the parameters this call owns
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """One group to build: its mesh, its parameters' plans, its post-forward group size."""
+
+    info: MeshInfo
+    plans: list[_ParamPlan]
+    post_forward_size: int | None
+
+
+def _check_arguments(
+    module: object,
+    mesh: object,
+    reshard_after_forward: object,
+    shard_placement_fn: object,
+    mp_policy: object,
+    offload_policy: object,
+    ignored_params: object,
+    dp_mesh_dims: object,
+    quantization_policy: object,
+) -> _Call:
+    """Step 1: check every argument and find the parameters the call owns."""
     spmd_plan = _check_dp_mesh_dims(dp_mesh_dims, mesh, reshard_after_forward)
     modules = _check_modules(module)
     info: MeshInfo | None = None
@@ -205,6 +264,35 @@ def fully_shard(
     reshard_flag, post_forward_size = _check_reshard_after_forward(
         reshard_after_forward, shard_size
     )
+    _check_policies(shard_placement_fn, mp_policy, offload_policy, quantization_policy)
+    ignored = _check_ignored(ignored_params, modules)
+    found = _collect_params(modules, ignored)
+    spmd: SPMDMesh | None = None
+    if spmd_plan is not None:
+        for param, fqn, _ in found:
+            check_spmd_param(spmd_plan, param, fqn)
+        # Flattening a tuple of dims creates process groups (collective). What is checked
+        # after this depends only on the model and the arguments, the same on every rank.
+        spmd = build_spmd_mesh(spmd_plan)
+        info = spmd.info
+    if info is None:
+        raise RuntimeError("fully_shard resolved no mesh (internal error)")
+    return _Call(
+        modules,
+        info,
+        spmd,
+        reshard_flag,
+        post_forward_size,
+        cast(MixedPrecisionPolicy, mp_policy),  # checked by _check_policies
+        cast(OffloadPolicy, offload_policy),
+        cast(QuantizationPolicy, quantization_policy),
+        found,
+    )
+
+
+def _check_policies(
+    shard_placement_fn: object, mp_policy: object, offload_policy: object, quantization: object
+) -> None:
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise FullyShardTypeError(
             f"shard_placement_fn must be a callable (param -> Shard | ShardPlacementResult | "
@@ -221,70 +309,74 @@ def fully_shard(
             f"offload_policy must be an OffloadPolicy (or a subclass such as CPUOffloadPolicy), "
             f"got {type(offload_policy).__name__}"
         )
-    if not isinstance(quantization_policy, QuantizationPolicy):
+    if not isinstance(quantization, QuantizationPolicy):
         raise FullyShardTypeError(
             f"quantization_policy must be a QuantizationPolicy (or a subclass), got "
-            f"{type(quantization_policy).__name__}; e.g. "
+            f"{type(quantization).__name__}; e.g. "
             "QuantizationPolicy(all_gather='int8', block_size=256)"
         )
-    ignored = _check_ignored(ignored_params, modules)
-    found = _collect_params(modules, ignored)
-    spmd: SPMDMesh | None = None
-    if spmd_plan is not None:
-        for param, fqn, _ in found:
-            check_spmd_param(spmd_plan, param, fqn)
-        # Flattening a tuple of dims creates process groups (collective). What is checked
-        # after this depends only on the model and the arguments, the same on every rank.
-        spmd = build_spmd_mesh(spmd_plan)
-        info = spmd.info
-    if info is None:
-        raise RuntimeError("fully_shard resolved no mesh (internal error)")
-    plans = _plan_params(found, shard_placement_fn, info, spmd)
-    grouped = _group_plans(plans, info)
-    post_forward_sizes = []
-    for group_info, group_plans in grouped:
-        _check_params(group_plans, group_info, mp_policy)
-        size = post_forward_size
-        if group_info is not info:  # a mesh of its own: reshard_after_forward=n must divide it
+
+
+def _plan_groups(
+    call: _Call,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacement] | None,
+    reshard_after_forward: bool | int | None,
+) -> list[_GroupPlan]:
+    """Step 2: decide each parameter's placement and mesh, and split them into groups."""
+    plans = _plan_params(call.found, shard_placement_fn, call.info, call.spmd)
+    planned = []
+    for group_info, group_plans in _group_plans(plans, call.info):
+        _check_params(group_plans, group_info, call.mp_policy)
+        size = call.post_forward_size
+        if group_info is not call.info:  # a mesh of its own: reshard_after_forward=n must divide it
             _, size = _check_reshard_after_forward(
                 reshard_after_forward, group_info.shard_size, warn=False
             )
         _check_post_forward_plans(size, group_plans)
         _check_extension_plans(size, group_plans)
-        post_forward_sizes.append(size)
+        planned.append(_GroupPlan(group_info, group_plans, size))
+    return planned
 
-    # -- every check passed: from here on the module changes --------------------------------
-    check_from_environment()  # FULLY_SHARD_CHECK_COLLECTIVES=1: the desync checker, job-wide
-    pin = offload_policy.use_pinned_memory() and torch.cuda.is_available()
+
+def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
+    """Step 3: shard every parameter (the module changes) and build its group."""
+    pin = call.offload_policy.use_pinned_memory() and torch.cuda.is_available()
     groups = []
-    for (group_info, group_plans), size in zip(grouped, post_forward_sizes, strict=True):
+    for group in planned:
         # Creating process groups is collective: only now, when no rank can still refuse.
-        post_forward = None if size is None else post_forward_subgroup(group_info, size)
-        shard_device = offload_policy.shard_device(group_info.device)
+        size = group.post_forward_size
+        post_forward = None if size is None else post_forward_subgroup(group.info, size)
+        shard_device = call.offload_policy.shard_device(group.info.device)
         params = [
             ShardedParam(
                 plan.param,
                 plan.slots,
                 plan.fqn,
                 plan.shard_dim,
-                group_info,
+                group.info,
                 shard_device,
                 pin,
-                mp_policy,
                 plan.tp,
             )
-            for plan in group_plans
+            for plan in group.plans
         ]
         for p in params:
             p.register(p.sharded_param)
         config = GroupConfig(
-            reshard_after_forward=reshard_flag,
-            mp_policy=mp_policy,
-            quantization_policy=quantization_policy,
-            offload_policy=offload_policy,
+            reshard_after_forward=call.reshard_flag,
+            mp_policy=call.mp_policy,
+            quantization_policy=call.quantization_policy,
+            offload_policy=call.offload_policy,
             post_forward=post_forward,
         )
-        groups.append(ParamGroup(params, modules, group_info, config, TorchComm()))
+        groups.append(ParamGroup(params, call.modules, group.info, config, TorchComm()))
+    return groups
+
+
+def _install_runtime(
+    modules: tuple[nn.Module, ...], groups: list[ParamGroup], plans: list[_ParamPlan]
+) -> None:
+    """Step 4: the runtime: hooks, state-dict hooks, the class swap, torch's registries."""
     owner = type(modules[0]).__name__
     for plan in plans:
         setattr(plan.param, _SHARDED_BY, (owner, plan.fqn))
@@ -298,7 +390,28 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m), torch_base)  # type: ignore[arg-type]
         # torch's replicate() above it leaves our parameters alone; its pipelining reduces
         register_with_torch_composable(m, TorchStateView(state))
-    return module
+
+
+def _state(module: nn.Module) -> TorchStateView:
+    """``fully_shard.state(module)``: the entry points torch's code reads off a sharded module.
+
+    torch's ``fully_shard`` carries this attribute (its composable-API contract), and torch's
+    pipelining calls it on the ``fully_shard`` it imported to reduce a stage's gradients
+    (:mod:`fully_shard.interop`). A trainer that rebinds torch's names to ours hands it ours.
+
+    Example:
+        >>> fully_shard.state(model)._root_post_backward_final_callback()  # doctest: +SKIP
+    """
+    state = getattr(module, "_fsdp_state", None)
+    if not isinstance(state, FSDPState):
+        raise FullyShardTypeError(
+            f"fully_shard.state() got a {type(module).__name__} that fully_shard was not "
+            "called on; pass a module returned by fully_shard"
+        )
+    return TorchStateView(state)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]  # as torch's fully_shard has it
 
 
 def _check_dp_mesh_dims(

@@ -229,7 +229,8 @@ def check_collectives(timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S) -
 def check_from_environment() -> bool:
     """Switch checking on for the whole job if ``FULLY_SHARD_CHECK_COLLECTIVES=1``.
 
-    Called by ``fully_shard`` on every rank; the first call with the variable set switches
+    Called by ``fully_shard`` on every rank (through the job-wide observer slot, where this
+    module registers it); the first call with the variable set switches
     it on, later ones find it on. Returns whether checking is on.
 
     Example:
@@ -251,3 +252,10 @@ def check_from_environment() -> bool:
     checker = CollectiveChecker(_seconds(timeout))
     JOB_WIDE.observers = (*JOB_WIDE.observers, checker)
     return True
+
+
+# The tool's one act at import (``import fully_shard`` imports it): it offers its switch to the
+# engine's job-wide slot, which ``fully_shard()`` runs, so the environment variable works with
+# no import of this tool in the engine. Registered once, also if the module is reloaded.
+if not any(getattr(s, "__qualname__", None) == "check_from_environment" for s in JOB_WIDE.switches):
+    JOB_WIDE.switches = (*JOB_WIDE.switches, check_from_environment)

@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in __all__
-from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.spawn import (
     ProcessExitedException,
     ProcessRaisedException,
@@ -47,6 +46,7 @@ from torch.multiprocessing.spawn import (
 from . import trace
 from .api import fully_shard
 from .collectives import CountingComm
+from .launch import Distributed, init_distributed
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import SCALE_BYTES, int8_gather_nbytes, n_blocks
 
@@ -425,22 +425,30 @@ def _fmt_bytes(n: float) -> str:
 def _worker(rank: int, cfg: DemoConfig, port: int) -> None:
     world = cfg.nproc
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-        backend = "nccl"
-    else:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        backend = "gloo"
-    timeout = timedelta(seconds=cfg.timeout_s)
-    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    # What torchrun gives each worker, so init_distributed joins and picks the device as it
+    # does under torchrun. The parent hosts the rendezvous store, as torchrun's agent does:
+    # TORCHELASTIC_USE_AGENT_STORE makes every rank connect to it as a client.
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo on the loopback
+    job = init_distributed(
+        backend="gloo" if cfg.device == "cpu" else None, timeout=timedelta(seconds=cfg.timeout_s)
+    )
     try:
-        train(rank, world, cfg)
-        # Leave together: rank 0 prints the summary after the others have returned, and no
-        # rank tears its connections down while another still runs.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        train(job, cfg)
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other ranks may be gone
+        raise
+    # Leave together: rank 0 prints the summary after the others have returned, and no rank
+    # tears its connections down while another still runs.
+    job.shutdown()
     leave_rank()
 
 
@@ -469,17 +477,17 @@ def leave_rank() -> NoReturn:
     os._exit(0)
 
 
-def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
-    """Train on this rank of the default process group, print the summary on rank 0.
+def train(job: Distributed, cfg: DemoConfig) -> list[float]:
+    """Train on ``job``'s mesh and device, print the summary on rank 0.
 
     Returns the loss of every step (the mean over the global batch), the same on every rank.
 
     Example:
         >>> cfg = DemoConfig(steps=5, quantize_all_gather=True)
-        >>> losses = train(dist.get_rank(), dist.get_world_size(), cfg)  # doctest: +SKIP
+        >>> losses = train(init_distributed(), cfg)  # doctest: +SKIP
     """
     mc = cfg.model
-    device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    rank, world, device, mesh = job.rank, job.world_size, job.device, job.mesh
     text = load_text()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text], device=device)
@@ -504,7 +512,6 @@ def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
     # params + grads + the two AdamW moments, fp32, as an unsharded replica (DDP) holds them
     replica_state_bytes = 4 * 4 * n_params
 
-    mesh = init_device_mesh(device.type, (world,))
     for block in model.layers:
         fully_shard(
             block,
@@ -521,7 +528,7 @@ def train(rank: int, world: int, cfg: DemoConfig) -> list[float]:
 
     if rank == 0:
         print(
-            f"fully_shard demo: {world} rank(s), {dist.get_backend()} on {device.type}; "
+            f"fully_shard demo: {world} rank(s), {job.backend} on {device.type}; "
             f"Llama-style model {cfg.size!r}: {mc.n_layers} blocks, dim {mc.dim}, "
             f"{n_params / 1e6:.2f} M parameters, {mc.n_layers + 1} fully_shard groups\n"
             f"data: {TEXT_TITLE}, {len(text):,} characters, vocabulary {len(vocab)}; "

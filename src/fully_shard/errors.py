@@ -117,6 +117,21 @@ class FullyShardStateError(FullyShardError, RuntimeError):
     """
 
 
+class FullyShardLaunchError(FullyShardError, RuntimeError):
+    """The job cannot start as launched, e.g. fewer GPUs on a node than ranks on it.
+
+    Raised by :func:`~fully_shard.init_distributed` before any process group is created; the
+    message says what is missing and how to launch instead.
+
+    Example:
+        >>> from fully_shard import FullyShardLaunchError, init_distributed
+        >>> try:  # doctest: +SKIP
+        ...     job = init_distributed()
+        ... except FullyShardLaunchError as e:
+        ...     print(e)  # e.g. "8 ranks on this node but only 4 cuda device(s) ..."
+    """
+
+
 class FullyShardDesyncError(FullyShardError, RuntimeError):
     """Ranks were about to issue different collectives (``fully_shard.debug``'s checker).
 

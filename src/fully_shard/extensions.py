@@ -59,10 +59,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._compat import local_tensor
-from .collectives import GatherInput, typed_block
 from .errors import FullyShardNotImplementedError, FullyShardTypeError, FullyShardValueError
 from .layout import ParamView, ShardLayout
 from .mesh import MeshInfo, contiguous_stride
+from .packing import GatherInput, typed_block
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 
 # How many arguments (after self) torch's fsdp_pre_all_gather takes: the old form (mesh) and
@@ -152,7 +152,8 @@ class SubclassGather:
 
     Example:
         >>> gather = SubclassGather("w", torch.Size([4, 3]), module, info)  # doctest: +SKIP
-        >>> gather.inputs(sharded_param, None)  # doctest: +SKIP
+        >>> q, mp = QuantizationPolicy(), MixedPrecisionPolicy()
+        >>> gather.inputs(sharded_param, None, q, mp)  # doctest: +SKIP
         [GatherInput(data=..., dtype=torch.int8, padded_size=torch.Size([2, 3]), dim=0), ...]
     """
 
@@ -188,6 +189,7 @@ class SubclassGather:
         p: ParamView,
         piece: tuple[torch.Tensor, ShardLayout] | None,
         policy: QuantizationPolicy,
+        mp: MixedPrecisionPolicy,
     ) -> list[GatherInput]:
         """Call the pre hook of this rank's rows and describe what it returned."""
         if piece is not None:
@@ -196,7 +198,7 @@ class SubclassGather:
         # precomputed float8 scale) is what the hook reads.
         local = self._local = local_tensor(p.sharded_param)
         world, chunk = p.layout.world, p.layout.chunk
-        return self._pre_all_gather(local, world, chunk, p.mp_policy)
+        return self._pre_all_gather(local, world, chunk, mp)
 
     def _pre_all_gather(
         self, local: torch.Tensor, world: int, chunk: int, mp_policy: MixedPrecisionPolicy

@@ -32,26 +32,28 @@ from torch import nn
 from ._compat import local_tensor, version
 from .collectives import (
     Comm,
-    GatherInput,
-    ProcessGroupAllocator,
     ReducePlan,
     Reduction,
     UserAllGather,
     UserReduceScatter,
     Waitable,
-    allocate_buffer,
-    copy_in,
-    copy_out,
     divide_,
-    pack_grad,
     plan_reduction,
-    split_sizes,
-    wire_dtype,
 )
 from .errors import FullyShardStateError
 from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
 from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
+from .packing import (
+    GatherInput,
+    ProcessGroupAllocator,
+    allocate_buffer,
+    copy_in,
+    copy_out,
+    pack_grad,
+    split_sizes,
+    wire_dtype,
+)
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN
@@ -206,6 +208,9 @@ class ParamGroup:
         # The group's name in labels and messages: its modules' qualified names under the root,
         # set at the root's lazy init (until then, their class names).
         self.label = "+".join(type(m).__name__ for m in modules)
+        # Each module's qualified name under the root ("" for the root), from the same moment:
+        # messages name parameters from the root, as the user's state_dict() keys do.
+        self.module_names: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         quant = self.config.quantization_policy
@@ -247,8 +252,9 @@ class ParamGroup:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def lazy_init(self) -> None:
-        """Adopt parameters ``_apply`` replaced and create the unsharded parameter objects.
+    def lazy_init(self, module_names: tuple[str, ...]) -> None:
+        """Adopt parameters ``_apply`` replaced and create the unsharded parameter objects;
+        ``module_names``: the group's modules' qualified names under the root.
 
         Runs once: a second root's lazy init (a submodule ran or was unsharded alone first)
         must not free a group that is gathered right now.
@@ -256,20 +262,32 @@ class ParamGroup:
         if self._initialized:
             return
         self._initialized = True
+        self.module_names = module_names
         sub = self.config.post_forward
         for p in self.params:
-            p.sync_with_module(self.config.quantization_policy)
+            p.sync_with_module(self.config.quantization_policy, self.config.mp_policy)
             if sub is not None:  # hooks patched on since fully_shard: refused as it would
                 own = local_tensor(p.sharded_param)
                 check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
             if p.local_shard.device.type == "meta":
                 raise FullyShardStateError(
-                    f"parameter {p.fqn!r} is still on the meta device at the first forward; "
+                    f"parameter {self.name_from_root(p.fqn)!r} is still on the meta device at "
+                    "the first forward; "
                     "call module.to_empty(device=...) and initialise the parameters "
                     "(e.g. reset_parameters()) before running the model"
                 )
             p.alloc_storage()
             p.free_storage()
+
+    def name_from_root(self, fqn: str) -> str:
+        """A parameter's ``fqn`` (relative to the sharded module; ``[i].name`` in a list
+        group) as its qualified name under the root (``layers.0.in_proj.weight``)."""
+        index, rest = 0, fqn
+        if len(self.modules) > 1 and fqn.startswith("[") and "]." in fqn:
+            head, rest = fqn[1:].split("].", 1)
+            index = int(head)
+        prefix = self.module_names[index] if index < len(self.module_names) else ""
+        return f"{prefix}.{rest}" if prefix else rest
 
     # -- unshard / reshard ------------------------------------------------------------------
 
@@ -295,7 +313,7 @@ class ParamGroup:
         with torch.no_grad():
             # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
             quant = self.config.quantization_policy
-            inputs = [p.all_gather_inputs(quant) for p in self.params]
+            inputs = [p.all_gather_inputs(quant, self.config.mp_policy) for p in self.params]
             flat_inputs = [gi for per_param in inputs for gi in per_param]
             wire = wire_dtype([gi.dtype for gi in flat_inputs])
             sizes = split_sizes(flat_inputs, wire)

@@ -357,9 +357,10 @@ class FSDPState:
             state._next_in_forward, state._next_in_backward = [], []  # the new root records
             # Qualified names under the root ("root" for the root module itself), as in trace.
             base = "+".join(names.get(id(m)) or "root" for m in state.modules)
+            module_names = tuple(names.get(id(m), "") for m in state.modules)
             for group, label in zip(state.groups, group_labels(base, state.groups), strict=True):
                 group.label = label
-                group.lazy_init()
+                group.lazy_init(module_names)
 
     def ensure_initialized(self) -> RootContext:
         if self.root is None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .mesh import MeshInfo
-from .policies import MixedPrecisionPolicy, QuantizationPolicy
+from .policies import QuantizationPolicy
 from .quantize import GatherFormat
 from .spmd import TPLayout
 
@@ -116,7 +116,6 @@ class ParamView(Protocol):
     shard_dim: int
     tp: TPLayout | None
     orig_size: torch.Size
-    mp_policy: MixedPrecisionPolicy
     sharded_param: nn.Parameter
     layout: ShardLayout
     # Written by the side: the tensor the module computes with, built at the first unshard.
@@ -125,8 +124,7 @@ class ParamView(Protocol):
     @property
     def requires_grad(self) -> bool: ...
 
-    @property
-    def compute_dtype(self) -> torch.dtype: ...
+    compute_dtype: torch.dtype  # the group's mixed precision answer, set at each all-gather
 
     @property
     def local_shard(self) -> torch.Tensor: ...

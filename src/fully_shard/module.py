@@ -703,7 +703,7 @@ class FSDPModule(nn.Module):
         out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for group in self._fsdp_state.groups:
             for p in group.params:
-                p.sync_with_module(group.config.quantization_policy)
+                p.sync_with_module(group.config.quantization_policy, group.config.mp_policy)
         return out
 
 

@@ -191,6 +191,15 @@ class JobWideObservers:
 
     def __init__(self) -> None:
         self.observers: tuple[Observer, ...] = ()
+        # Tools that a job switches on from its environment (``fully_shard.debug``'s
+        # FULLY_SHARD_CHECK_COLLECTIVES=1) register a switch here, so that the engine, which
+        # imports no tool, can let them look at every fully_shard call.
+        self.switches: tuple[Callable[[], object], ...] = ()
+
+    def switch_on_from_environment(self) -> None:
+        """Run every registered switch (``fully_shard`` calls it once its checks passed)."""
+        for switch in self.switches:
+            switch()
 
 
 JOB_WIDE = JobWideObservers()

@@ -62,10 +62,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._compat import dtensor_from_spec, dtensor_spec, local_tensor, post_accumulate_grad_hooks
-from .collectives import GatherInput
 from .extensions import SubclassGather, check_extension_plan, has_extension
 from .layout import ShardLayout
 from .mesh import MeshInfo, SubgroupInfo, contiguous_stride
+from .packing import GatherInput
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat, gather_format
 from .spmd import TPLayout, combined_placements
@@ -96,7 +96,6 @@ class ShardedParam:
         info: MeshInfo,
         shard_device: torch.device,
         pin_memory: bool,
-        mp_policy: MixedPrecisionPolicy,
         tp: TPLayout | None = None,
     ) -> None:
         self.fqn = fqn
@@ -105,7 +104,6 @@ class ShardedParam:
         self.shard_dim = shard_dim
         self.info = info
         self.tp = tp
-        self.mp_policy = mp_policy
         # What we shard: the parameter itself, or its TP-local tensor.
         source = param.to_local() if isinstance(param, DTensor) else param
         self.orig_size = source.size()
@@ -144,6 +142,10 @@ class ShardedParam:
         self._local: torch.Tensor = local
 
         self.unsharded_param: nn.Parameter | None = None
+        # The dtype of the all-gather and of the unsharded parameter: the group's mixed
+        # precision policy's answer for the shard's dtype, asked again at lazy init and at every
+        # all-gather (the group owns the policy; until its lazy init, the shard's own dtype).
+        self.compute_dtype: torch.dtype = local.dtype
         # Where the gathered bytes go and how they become unsharded_param (storage.py): chosen
         # at lazy init (sync_with_module), when the module's tensors and the group's
         # quantization policy are final.
@@ -176,11 +178,6 @@ class ShardedParam:
     def orig_dtype(self) -> torch.dtype:
         """The sharded parameter's dtype now (``model.to(dtype)`` changes it)."""
         return self._local.dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of the all-gather and of the unsharded parameter, asked of the policy now."""
-        return self.mp_policy.compute_dtype(self.orig_dtype)
 
     @property
     def padded_numel(self) -> int:
@@ -216,9 +213,10 @@ class ShardedParam:
         """The local rows of the sharded DTensor (``(rows_r, *rest)`` for dim 0)."""
         return self._local
 
-    def sync_with_module(self, policy: QuantizationPolicy) -> None:
+    def sync_with_module(self, policy: QuantizationPolicy, mp: MixedPrecisionPolicy) -> None:
         """Pick up a sharded parameter that ``Module._apply`` (e.g. ``to_empty``) replaced, and
-        choose the unsharded side for it and its group's quantization ``policy``.
+        choose the unsharded side for it and its group's quantization ``policy`` and mixed
+        precision ``mp``.
 
         ``_apply`` either swaps the tensor inside our ``nn.Parameter`` or puts a new parameter
         in the module; either way the module's current one becomes ours again. A post-forward
@@ -241,6 +239,7 @@ class ShardedParam:
                     self._dtensor_from_local(local), requires_grad=self.requires_grad
                 )
             self._local = local
+        self.compute_dtype = mp.compute_dtype(self.orig_dtype)
         self._choose_unsharded_side(policy)
         self.register(self.sharded_param)
 
@@ -315,7 +314,9 @@ class ShardedParam:
     # the unsharded tensor, and freeing it) is this parameter's *unsharded side*, one object
     # (storage.py): a padded dense storage written through a gather format (plain or int8).
 
-    def all_gather_inputs(self, policy: QuantizationPolicy) -> list[GatherInput]:
+    def all_gather_inputs(
+        self, policy: QuantizationPolicy, mp: MixedPrecisionPolicy
+    ) -> list[GatherInput]:
         """What this rank sends in the next all-gather of its group.
 
         Normally its local rows of the W-rank split, in the format the quantization policy
@@ -323,9 +324,12 @@ class ShardedParam:
         that kept a post-forward piece (``reshard_after_forward=n``), that piece, plain, for
         a gather within the n-rank group: it holds the rows forward computed with (already
         dequantized), and it is handed over here; this parameter keeps no reference to it.
+        ``policy`` and ``mp`` are the group's (it owns them); ``mp``'s answer for the dtype
+        the shard has now becomes :attr:`compute_dtype`.
         """
+        self.compute_dtype = mp.compute_dtype(self.orig_dtype)
         piece, self._post_forward = self._post_forward, None
-        return self.unsharded_side.inputs(self, piece, policy)
+        return self.unsharded_side.inputs(self, piece, policy, mp)
 
     def all_gather_destinations(self) -> list[torch.Tensor] | None:
         """``(world, numel)`` views the gathered blocks can be copied straight into, one per

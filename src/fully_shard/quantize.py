@@ -41,7 +41,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from .collectives import GatherInput, typed_block
+from .packing import GatherInput, typed_block
 from .policies import QuantizationPolicy
 
 QMAX = 127
@@ -164,7 +164,7 @@ def dequantize_blocks(
 class GatherFormat(Protocol):
     """How one parameter travels in its group's all-gather.
 
-    ``inputs`` turns this rank's shard into the :class:`~fully_shard.collectives.GatherInput`
+    ``inputs`` turns this rank's shard into the :class:`~fully_shard.packing.GatherInput`
     s it sends; ``rebuild`` gets their ``(W, numel)`` blocks of the gathered buffer back and
     writes the unsharded tensor. ``direct``: the gathered bytes *are* the unsharded tensor's,
     so the group may copy them straight into the storage instead of calling ``rebuild``.

@@ -4,7 +4,7 @@ Between a parameter's local shard and the tensor the module computes with sits o
 chosen per parameter (:class:`UnshardedSide`); :class:`~fully_shard.param.ShardedParam`
 hands its whole all-gather seam to it::
 
-    inputs(p, piece, q) what this rank sends (GatherInputs)      all_gather_inputs
+    inputs(p, piece, q, mp)  what this rank sends (GatherInputs)  all_gather_inputs
     alloc(p)           make the bytes the gather lands in         alloc_storage
     destinations()     (W, numel) views to copy straight into     all_gather_destinations
     finish(p, blocks)  build / refill p.unsharded_param           finish_all_gather
@@ -37,9 +37,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .collectives import GatherInput
 from .layout import ParamView, ShardLayout
-from .policies import QuantizationPolicy
+from .packing import GatherInput
+from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import PLAIN, GatherFormat
 
 
@@ -51,9 +51,12 @@ class UnshardedSide(Protocol):
         p: ParamView,
         piece: tuple[torch.Tensor, ShardLayout] | None,
         policy: QuantizationPolicy,
+        mp: MixedPrecisionPolicy,
     ) -> list[GatherInput]:
         """What to send; ``piece``: a post-forward piece to gather instead of the shard;
-        ``policy``: the group's quantization policy, for the shard's gather format."""
+        ``policy``: the group's quantization policy, for the shard's gather format; ``mp``:
+        its mixed precision policy (``p.compute_dtype`` is already its answer), which a
+        subclass's own pre-all-gather hook receives."""
         ...
 
     def alloc(self, p: ParamView) -> None: ...
@@ -92,6 +95,7 @@ class DenseStorage:
         p: ParamView,
         piece: tuple[torch.Tensor, ShardLayout] | None,
         policy: QuantizationPolicy,
+        mp: MixedPrecisionPolicy,
     ) -> list[GatherInput]:
         if piece is not None:  # already dequantized rows: they travel plain
             data, layout = piece
@@ -191,6 +195,7 @@ class WholeShard:
         p: ParamView,
         piece: tuple[torch.Tensor, ShardLayout] | None,
         policy: QuantizationPolicy,
+        mp: MixedPrecisionPolicy,
     ) -> list[GatherInput]:
         return []
 
