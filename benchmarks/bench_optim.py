@@ -1,10 +1,10 @@
 """The Muon optimizer step on sharded parameters: ours, torch's on the shards, torch's unsharded.
 
 For each world size of ``--nprocs`` (default ``2,4``) one command spawns that many local
-ranks (gloo on CPU, or NCCL with ``--device cuda``), builds ``bench_train.py``'s Llama-style
-model (``--size``, default ``medium``) from one seed three times and times only the optimizer
-step over its hidden matrices (attention and feed-forward weights; embeddings, head and norms
-would go to AdamW):
+ranks (``init_distributed``: gloo on CPU, or NCCL and a GPU each with ``--device cuda``),
+builds ``bench_train.py``'s Llama-style model (``--size``, default ``medium``) from one seed
+three times and times only the optimizer step over its hidden matrices (attention and
+feed-forward weights; embeddings, head and norms would go to AdamW):
 
 * ``ours``: :class:`fully_shard.Muon` on the model sharded by :func:`fully_shard.fully_shard`;
 * ``torch-sharded``: ``torch.optim.Muon`` on the same sharded model (its Newton-Schulz
@@ -43,7 +43,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from bench_train import SIZES, Llama, _free_port, init_rank, make_batches
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fully_shard
@@ -110,11 +109,8 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
-    device = init_rank(
-        rank, world, args.device, "nccl" if args.device == "cuda" else "gloo", port,
-        timeout=timedelta(minutes=10),
-    )  # fmt: skip
-    mesh = init_device_mesh(device.type, (world,))
+    job = init_rank(rank, world, args.device, "auto", port, timeout=timedelta(minutes=10))
+    device, mesh = job.device, job.mesh
     models = _models(args.size, mesh, device)
     _same_gradients(models, args.size, device)
     optims = {
@@ -170,8 +166,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, out: 
     }
     if rank == 0:
         Path(out).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    job.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,6 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
 import fully_shard
@@ -43,10 +42,10 @@ def optimizers(model: nn.Module, muon: type[torch.optim.Optimizer]) -> list[torc
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = fully_shard.init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on CPU
+    mesh = job.mesh
     torch.manual_seed(0)
-    model = ToyLM()
+    model = ToyLM().to(job.device)
     reference = copy.deepcopy(model)  # unsharded, with torch.optim.Muon: what we must equal
     for block in model.layers:
         shard(block, mesh=mesh)
@@ -62,7 +61,7 @@ def main() -> None:
 
     fully_shard.optim.muon.orthogonalize = counted  # type: ignore[assignment]
     for step in range(STEPS):
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(model(tokens), targets)
         loss.backward()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -73,7 +72,7 @@ def main() -> None:
         log(f"step {step}: loss {loss.item():.4f}")
     fully_shard.optim.muon.orthogonalize = orthogonalize
 
-    total = torch.tensor([calls[0]])
+    total = torch.tensor([calls[0]], device=job.device)
     dist.all_reduce(total)
     (ours_muon, ours_adamw), (ref_muon, ref_adamw) = split(model), split(reference)
     muon_diff, adamw_diff = (
@@ -87,8 +86,7 @@ def main() -> None:
     )
     if muon_diff != 0.0 or adamw_diff != 0.0 or int(total) != len(ours_muon) * STEPS:
         raise SystemExit("fully_shard.Muon drifted from torch.optim.Muon")
-    dist.barrier()
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":
