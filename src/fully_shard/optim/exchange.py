@@ -340,7 +340,7 @@ class WholeMatrixExchange:
                     offset += n
             return wholes
 
-        return _Pending(work, unpack)
+        return _Pending(work, unpack, inp)
 
     def _send_back(
         self,
@@ -376,19 +376,26 @@ class WholeMatrixExchange:
                     offset += n
             return pieces
 
-        return _Pending(work, unpack)
+        return _Pending(work, unpack, inp)
 
 
 class _Pending:
     """A collective in flight and how to read its output once it has landed."""
 
     def __init__(
-        self, work: dist.Work | None, unpack: Callable[[], dict[int, torch.Tensor]]
+        self,
+        work: dist.Work | None,
+        unpack: Callable[[], dict[int, torch.Tensor]],
+        sent: torch.Tensor,
     ) -> None:
         self._work = work
         self._unpack = unpack
+        # The input must outlive the collective: on a GPU the caching allocator could hand its
+        # memory to the next bucket's packing while NCCL still reads it.
+        self._sent: torch.Tensor | None = sent
 
     def wait(self) -> dict[int, torch.Tensor]:
         if self._work is not None:
             self._work.wait()
+        self._sent = None
         return self._unpack()
