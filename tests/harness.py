@@ -65,6 +65,7 @@ __all__ = [
     "RankError",
     "RankFailure",
     "device_mesh",
+    "fresh_pool",
     "mesh_1d",
     "run_distributed",
     "shutdown_pools",
@@ -182,6 +183,20 @@ def shutdown_pools() -> None:
     for helper in helpers:
         with contextlib.suppress(Exception):
             helper._stop()
+
+
+def fresh_pool(world_size: int) -> None:
+    """Replace the warm pool of ``world_size`` by a new, started one, before a test that
+    kills its ranks (or has one end with ``os._exit``).
+
+    Such a rank, after earlier tests' ``torch.compile`` jobs, leaves their compile pool's
+    semaphores for multiprocessing's resource tracker to clean up, with a "leaked semaphore"
+    warning at the end of the session; a new pool has none.
+    """
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.shutdown()
+    _POOLS[world_size] = _Pool(world_size)
 
 
 def device_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> DeviceMesh:
