@@ -1,13 +1,19 @@
-"""The demo, run the way a user runs it: ``python -m fully_shard.demo`` in a fresh process.
+"""The demo: what its summary promises, and one run the way a user runs it.
 
 Each run checks what the summary promises: the measured bytes of every collective equal the
 formula for them, every rank reports its memory, and ``--trace`` writes a Chrome trace with
 every kind of event for every group on every rank (and the PNG when matplotlib is installed).
+The trace run is ``python -m fully_shard.demo`` in a fresh process (its launcher, spawned
+ranks and exit code included); the others run the same command line's ``demo.train`` on the
+warm pool of ``harness.py``, which is all a rank of the demo does between joining and leaving
+its process group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -18,9 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fully_shard
 from fully_shard import demo
+from harness import run_distributed
 
 KINDS = {"forward", "backward", "unshard", "reshard", "all_gather", "reduce_scatter"}
 
@@ -37,6 +45,20 @@ def _run_demo(*args: str, timeout: float = 180) -> str:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def _train_rank(cfg: demo.DemoConfig) -> str:
+    """Inside a pool rank: the demo's training and summary; what the rank printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        demo.train(dist.get_rank(), dist.get_world_size(), cfg)
+    return out.getvalue()
+
+
+def _demo_on_pool(*args: str, timeout: float = 120) -> str:
+    """The demo's command line ``args`` on ``--nproc`` pool ranks; what rank 0 printed."""
+    cfg = demo.parse_args(args)
+    return run_distributed(_train_rank, cfg.nproc, cfg, timeout=timeout)[0]  # type: ignore[no-any-return]
 
 
 def _measured_and_theory(out: str, op: str) -> tuple[int, int]:
@@ -81,7 +103,7 @@ def test_demo_with_trace_in_mixed_precision_on_uneven_shards(tmp_path: Path) -> 
 
 
 def test_demo_on_one_rank_without_reshard() -> None:
-    out = _run_demo(
+    out = _demo_on_pool(
         "--nproc", "1", "--size", "tiny", "--steps", "1", "--sample", "0", "--no-reshard"
     )
     _check_summary(out, nproc=1)
@@ -112,8 +134,8 @@ def test_expected_comm_bytes_with_int8_all_gathers_by_hand() -> None:
 
 
 def test_demo_with_int8_all_gathers_counts_their_bytes() -> None:
-    out = _run_demo("--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
-                    "--quantize-all-gather")  # fmt: skip
+    out = _demo_on_pool("--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
+                        "--quantize-all-gather")  # fmt: skip
     _check_summary(out, nproc=2)
     assert "all-gather=int8, blocks of 256" in out
     values, scales, plain = (
