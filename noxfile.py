@@ -85,10 +85,11 @@ def soak(session: nox.Session) -> None:
     env["FULLY_SHARD_PROPERTY_EXAMPLES"] = "200"
     # inductor: test_compile.py once more with code generation (C++ on CPU, minutes)
     env["FULLY_SHARD_COMPILE_BACKENDS"] = "aot_eager,inductor"
-    # fresh: the benchmarks in a new interpreter (their ranks spawned), the 2-D and the
+    # fresh: the benchmarks and the demo in a new interpreter (their ranks spawned), the 2-D and
     # resumable examples under torchrun (its agent restarting the killed ranks)
     env["FULLY_SHARD_LAUNCHERS"] = "pool,fresh"
     tests = ("tests/test_soak.py", "tests/test_stateful.py", "tests/test_properties.py")
     tests += ("tests/test_compile.py",)
-    tests += ("tests/test_bench.py", "tests/test_example_2d.py", "tests/test_resume.py")
+    tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
+    tests += ("tests/test_resume.py",)
     session.run("pytest", *tests, *session.posargs, env=env)

@@ -3,10 +3,11 @@
 Each run checks what the summary promises: the measured bytes of every collective equal the
 formula for them, every rank reports its memory, and ``--trace`` writes a Chrome trace with
 every kind of event for every group on every rank (and the PNG when matplotlib is installed).
-The trace run is ``python -m fully_shard.demo`` in a fresh process (its launcher, spawned
-ranks and exit code included); the others run the same command line's ``demo.train`` on the
-warm pool of ``harness.py``, which is all a rank of the demo does between joining and leaving
-its process group.
+The one-rank run is ``python -m fully_shard.demo`` in a fresh process (its launcher, a spawned
+rank and the exit code included: the fewest interpreters that start). The others run the same
+command line's ``demo.train`` on the warm pool of ``harness.py``, which is all a rank of the
+demo does between joining and leaving its process group; ``FULLY_SHARD_LAUNCHERS=pool,fresh``
+(``nox -s soak``) also runs them in a fresh process.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fully_shard import demo
 from harness import run_distributed
 
 KINDS = {"forward", "backward", "unshard", "reshard", "all_gather", "reduce_scatter"}
+LAUNCHERS = tuple(os.environ.get("FULLY_SHARD_LAUNCHERS", "pool").split(","))
 
 
 def _run_demo(*args: str, timeout: float = 180) -> str:
@@ -55,8 +57,11 @@ def _train_rank(cfg: demo.DemoConfig) -> str:
     return out.getvalue()
 
 
-def _demo_on_pool(*args: str, timeout: float = 120) -> str:
-    """The demo's command line ``args`` on ``--nproc`` pool ranks; what rank 0 printed."""
+def _demo(launcher: str, *args: str, timeout: float = 180) -> str:
+    """The demo's command line ``args``: what rank 0 printed, on ``--nproc`` pool ranks
+    (``launcher="pool"``) or in a fresh process (``"fresh"``)."""
+    if launcher == "fresh":
+        return _run_demo(*args, timeout=timeout)
     cfg = demo.parse_args(args)
     return run_distributed(_train_rank, cfg.nproc, cfg, timeout=timeout)[0]  # type: ignore[no-any-return]
 
@@ -79,9 +84,11 @@ def _check_summary(out: str, nproc: int) -> None:
     assert re.search(r"loss\s+\d+\.\d+ -> \d+\.\d+ over \d+ steps", out), out
 
 
-def test_demo_with_trace_in_mixed_precision_on_uneven_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_demo_with_trace_in_mixed_precision_on_uneven_shards(launcher: str, tmp_path: Path) -> None:
     # W = 3 leaves uneven dim-0 shards (64 rows), so the formula's padding is checked too.
-    out = _run_demo(
+    out = _demo(
+        launcher,
         "--nproc", "3", "--size", "tiny", "--steps", "2", "--sample", "4", "--mixed-precision",
         "--trace", str(tmp_path),
     )  # fmt: skip
@@ -103,7 +110,7 @@ def test_demo_with_trace_in_mixed_precision_on_uneven_shards(tmp_path: Path) -> 
 
 
 def test_demo_on_one_rank_without_reshard() -> None:
-    out = _demo_on_pool(
+    out = _run_demo(
         "--nproc", "1", "--size", "tiny", "--steps", "1", "--sample", "0", "--no-reshard"
     )
     _check_summary(out, nproc=1)
@@ -133,9 +140,10 @@ def test_expected_comm_bytes_with_int8_all_gathers_by_hand() -> None:
     assert got.reduce_scatter == 2 * (600 + 20) * 4  # gradients are not quantized
 
 
-def test_demo_with_int8_all_gathers_counts_their_bytes() -> None:
-    out = _demo_on_pool("--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
-                        "--quantize-all-gather")  # fmt: skip
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_demo_with_int8_all_gathers_counts_their_bytes(launcher: str) -> None:
+    out = _demo(launcher, "--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
+                "--quantize-all-gather")  # fmt: skip
     _check_summary(out, nproc=2)
     assert "all-gather=int8, blocks of 256" in out
     values, scales, plain = (
