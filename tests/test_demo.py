@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -50,9 +51,19 @@ def _run_demo(*args: str, timeout: float = 180) -> str:
 
 
 def _train_rank(cfg: demo.DemoConfig) -> str:
-    """Inside a pool rank: the demo's training and summary; what the rank printed."""
+    """Inside a pool rank: the demo's training and summary; what the rank printed.
+
+    Without tqdm (the progress falls back to plain lines): tqdm's bar takes a
+    multiprocessing lock, a named semaphore that would outlive this job in the pool's process
+    and be reported leaked at the end of the session if that process is ever killed. The
+    fresh-process run below shows the bar.
+    """
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    with (
+        mock.patch.dict(sys.modules, {"tqdm": None}),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+    ):
         demo.train(dist.get_rank(), dist.get_world_size(), cfg)
     return out.getvalue()
 
