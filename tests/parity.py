@@ -65,6 +65,7 @@ __all__ = [
     "ParityStats",
     "ShardFn",
     "assert_close_or_both_none",
+    "assert_same",
     "assert_stats_within",
     "assert_trains_like_torch",
     "check_parity",
@@ -74,6 +75,7 @@ __all__ = [
     "loss_fn",
     "make_float_batch",
     "make_token_batch",
+    "snapshot",
     "step_beside_reference",
     "train_beside_torch",
     "train_on_rank_rows",
@@ -687,3 +689,43 @@ def train_beside_torch(
             w = _full(named[want][n].detach())
             assert_close_or_both_none(f"param {n} vs {want}", _full(p.detach()), w, atol, rtol)
     return compared
+
+
+# ---------------------------------------------------------------------------------------------
+# A model left untouched by a refused call
+# ---------------------------------------------------------------------------------------------
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything about ``model`` a failed ``fully_shard`` call must not have touched."""
+    mods = list(model.modules())
+    return {
+        "classes": [type(m) for m in mods],
+        "params": [
+            (n, id(p), type(p), p.detach().clone())
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ],
+        "hooks": [
+            (
+                list(m._forward_pre_hooks),
+                list(m._forward_hooks),
+                list(m._backward_hooks),
+                list(m._backward_pre_hooks),
+            )
+            for m in mods
+        ],
+        "attrs": [sorted(m.__dict__) for m in mods],
+    }
+
+
+def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """``after`` (a later `snapshot`) shows the model exactly as ``before`` did."""
+    assert before["classes"] == after["classes"]
+    assert before["hooks"] == after["hooks"]
+    assert before["attrs"] == after["attrs"]
+    assert len(before["params"]) == len(after["params"])
+    for (n0, i0, t0, v0), (n1, i1, t1, v1) in zip(before["params"], after["params"], strict=True):
+        assert (n0, i0, t0) == (n1, i1, t1), f"parameter {n0} was replaced"
+        assert v0.shape == v1.shape, f"parameter {n0} changed shape"
+        if v0.device.type != "meta":  # meta tensors have no values to compare
+            assert torch.equal(v0, v1), f"parameter {n0} changed value"

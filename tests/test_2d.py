@@ -35,13 +35,14 @@ from fully_shard._compat import strided_shard_handles_uneven
 from harness import device_mesh, mesh_1d, run_distributed
 from models import MLPStack, ModelArgs, Transformer
 from parity import (
+    assert_same,
     assert_stats_within,
     check_parity,
     make_token_batch,
+    snapshot,
     train_on_rank_rows,
     wrap_layers_then_root,
 )
-from test_validation import assert_same, snapshot
 from tp_plan import apply_tp, chunk_piece
 
 # The same-dim case below is uneven: torch releases whose _StridedShard cannot describe that

@@ -1,58 +1,145 @@
-"""The training benchmark, run end to end on its ``tiny`` size: what it reports must hold.
+"""The benchmarks, run end to end on their smallest sizes: what they report must hold.
 
 No timing is checked (these machines are noisy). What is checked is what the benchmark's
 comparison rests on: the three unquantized implementations train to the unsharded reference's
 losses (ours with int8 all-gathers to within 1%), the bytes our engine (plain and int8) and
 torch's FSDP2 put into each collective equal the ZeRO-3 formula, and every number the report
 quotes is there.
+
+How the benchmarks are launched. Each script's ``main()`` spawns its ranks with
+``torch.multiprocessing.spawn``: fresh interpreters that import torch, seconds of CPU each on
+the 2 busy cores of CI. Here ``main()`` runs in the test's process with its ``spawn`` replaced
+by a job on the warm pool of ``harness.py``: the same rank function on the same number of
+ranks, whose ``init_process_group`` and ``destroy_process_group`` calls are made no-ops (the
+pool's group is up and stays up) and whose closing ``os._exit(0)`` ends the job instead of
+the process. Everything else, the parent's reference run, summary and report included, is the
+script's own code. ``FULLY_SHARD_LAUNCHERS=pool,fresh`` (``nox -s soak``) also runs every
+script as a user does, ``python benchmarks/<script>.py ...`` in a fresh process, spawn and all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import fully_shard
+from harness import run_distributed
 from parity import needs_torch_fsdp2_on_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks" / "bench_train.py"
-BENCH_COLLECTIVES = ROOT / "benchmarks" / "bench_collectives.py"
-BENCH_QUANT_LOSS = ROOT / "benchmarks" / "bench_quant_loss.py"
-DEVICE_CHECK = ROOT / "benchmarks" / "device_check.py"
+BENCHMARKS = ROOT / "benchmarks"
+LAUNCHERS = tuple(os.environ.get("FULLY_SHARD_LAUNCHERS", "pool").split(","))
+JOB_TIMEOUT_S = 240
 
 
-def _run(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run a benchmark script on the copy of fully_shard under test (not an install)."""
-    src = str(Path(fully_shard.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+class _RankLeft(Exception):
+    """A rank function called ``os._exit(code)``: on the pool, the end of its job."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"os._exit({code})")
+        self.code = code
+
+
+def _leave(code: int) -> None:
+    raise _RankLeft(code)
+
+
+def _spawned_rank(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """Inside a pool rank: ``fn(rank, *args)``, what ``spawn`` runs in a fresh process."""
+    with (
+        mock.patch.object(dist, "init_process_group"),  # the pool's group is already up
+        mock.patch.object(dist, "destroy_process_group"),  # and stays up for the next job
+        mock.patch.object(os, "_exit", _leave),  # the scripts' (and leave_rank's) last call
+        warnings.catch_warnings(),  # a script's warning filters stay with its job
+    ):
+        try:
+            fn(dist.get_rank(), *args)
+        except _RankLeft as left:
+            if left.code != 0:
+                raise
+    torch.set_num_threads(1)  # as every pool job expects, whatever the script set
+
+
+def _pool_spawn(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 1) -> None:
+    """A ``torch.multiprocessing.spawn`` that runs the ranks on the warm pool."""
+    run_distributed(_spawned_rank, nprocs, fn, args, timeout=JOB_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def _parent_state() -> Iterator[None]:
+    """Undo what a script's parent side sets in this process (threads, an environment key)."""
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+
+
+def _run(script: str, *args: str, launcher: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run ``benchmarks/<script>.py`` with ``args``; what it printed.
+
+    ``launcher``: ``"pool"`` (its ``main`` here, its ranks on the warm pool) or ``"fresh"`` (a
+    new interpreter running the copy of fully_shard under test, not an install). A script's
+    own failure raises either way (an exception; a non-zero exit).
+    """
+    if launcher == "fresh":
+        src = str(Path(fully_shard.__file__).parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run(
+            [sys.executable, str(BENCHMARKS / f"{script}.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT_S,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+    # By name from sys.path, which the pool's ranks share: they unpickle the rank function.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = importlib.import_module(script)
+    monkeypatch.setattr(module, "spawn", _pool_spawn)
+    out = io.StringIO()
+    with _parent_state(), contextlib.redirect_stdout(out):
+        code = module.main(list(args))
+    assert not isinstance(code, int) or code == 0, out.getvalue()  # device_check: 0 or 1
+    return out.getvalue()
 
 
 @needs_torch_fsdp2_on_cpu
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("wrap", ["blocks", "head"])
-def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_path: Path) -> None:
+def test_bench_tiny_reports_theory_bytes_and_reference_losses(
+    wrap: str, launcher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "bench.json"
-    # The timing-only floor runs in one of the two, to keep the test short.
-    floor = ["ours-nogather"] if wrap == "blocks" else []
-    names = ["ours", "ours-int8", "fsdp2", "ddp", *floor]
-    proc = _run(
-        BENCH, "--size", "tiny", "--nproc", "2", "--wrap", wrap, "--steps", "3", "--warmup", "1",
-        "--impls", ",".join(names), "--json-out", str(out), timeout=240,
+    # DDP (which does not depend on --wrap) and the timing-only floor run in one of the two, to
+    # keep the test short.
+    blocks = wrap == "blocks"
+    floor = ["ours-nogather"] if blocks else []
+    ddp = ["ddp"] if blocks else []
+    names = ["ours", "ours-int8", "fsdp2", *ddp, *floor]
+    stdout = _run(
+        "bench_train", "--size", "tiny", "--nproc", "2", "--wrap", wrap, "--steps", "3",
+        "--warmup", "1", "--impls", ",".join(names), "--json-out", str(out),
+        launcher=launcher, monkeypatch=monkeypatch,
     )  # fmt: skip
     summary = json.loads(out.read_text())
     theory = summary["theory_zero3_per_rank"]
@@ -72,7 +159,6 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_pat
             "reduce_scatter": theory["reduce_scatter_calls"],
         }, name
         assert r["comm_bytes_per_rank_equal"], name
-    assert impls["ddp"]["comm_bytes_per_step"] == {"all_reduce": theory["param_bytes"]}
     for name, r in impls.items():
         assert len(r["losses"]) == 1 + 3  # warm-up + timed, every step against the reference
         if name == "ours-int8":  # computes with quantized weights: close, not equal
@@ -86,25 +172,34 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(wrap: str, tmp_pat
         assert set(r["phase_ms_median"]) == {"forward", "backward", "optimizer"}, name
         assert sum(r["phase_ms_median"].values()) > 0, name
         assert all(p > 0 for p in r["peak_bytes_per_rank"]), name
-    # Sharded state: the parameters plus AdamW's two moments, each split over 2 ranks, is less
-    # than DDP's (parameters, moments and gradient buckets, whole on every rank).
-    assert max(impls["ours"]["state_bytes_per_rank"]) < max(impls["ddp"]["state_bytes_per_rank"])
     assert set(summary["ratios"]) == {
         "ours/fsdp2",
-        "ours/ddp",
         "ours-int8/ours",
         "ours-int8/fsdp2",
-        "ours-int8/ddp",
-        *(f"ours-nogather/{other}" for other in ("ours", "fsdp2", "ddp") if floor),
+        *(f"{mine}/ddp" for mine in ("ours", "ours-int8") if ddp),
+        *(f"ours-nogather/{other}" for other in ("ours", "fsdp2", *ddp) if floor),
     }
-    assert "ratio ours/ddp: step time (median)" in proc.stdout
-    assert "ratio ours-int8/ddp: step time (median)" in proc.stdout
+    assert "ratio ours-int8/fsdp2: step time (median)" in stdout
+    if ddp:
+        assert impls["ddp"]["comm_bytes_per_step"] == {"all_reduce": theory["param_bytes"]}
+        # Sharded state: the parameters plus AdamW's two moments, each split over 2 ranks, is
+        # less than DDP's (parameters, moments and gradient buckets, whole on every rank).
+        ddp_state = max(impls["ddp"]["state_bytes_per_rank"])
+        assert max(impls["ours"]["state_bytes_per_rank"]) < ddp_state
+        assert "ratio ours/ddp: step time (median)" in stdout
+        assert "ratio ours-int8/ddp: step time (median)" in stdout
 
 
-def test_bench_collectives_reports_both_versions_of_each_collective() -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_bench_collectives_reports_both_versions_of_each_collective(
+    launcher: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The script itself raises if TorchComm's result differs from torch's by a single bit.
-    proc = _run(BENCH_COLLECTIVES, "--nproc", "2", "--mib", "0.01,0.1", "--calls", "2", timeout=120)
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = _run(
+        "bench_collectives", "--nproc", "2", "--mib", "0.01,0.1", "--calls", "2",
+        launcher=launcher, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    report = json.loads(stdout.strip().splitlines()[-1])
     assert report["world"] == 2
     assert [row["shard_mib"] for row in report["rows"]] == [0.01, 0.1]
     for row in report["rows"]:
@@ -114,13 +209,17 @@ def test_bench_collectives_reports_both_versions_of_each_collective() -> None:
 
 
 @needs_torch_fsdp2_on_cpu
-def test_device_check_passes_every_scenario_on_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_device_check_passes_every_scenario_on_cpu(
+    launcher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # What a GPU machine runs (benchmarks/device_check.py --device cuda), on gloo ranks here:
     # every option against its reference, and the int8 cost table.
     out = tmp_path / "check.json"
-    proc = _run(
-        DEVICE_CHECK, "--device", "cpu", "--nproc", "2", "--steps", "2", "--quant-sizes", "4096",
-        "--quant-worlds", "2,4", "--quant-reps", "2", "--json-out", str(out), timeout=240,
+    stdout = _run(
+        "device_check", "--device", "cpu", "--nproc", "2", "--steps", "2", "--quant-sizes", "4096",
+        "--quant-worlds", "2,4", "--quant-reps", "2", "--json-out", str(out),
+        launcher=launcher, monkeypatch=monkeypatch,
     )  # fmt: skip
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["options"]["backend"] == "gloo"
@@ -134,14 +233,17 @@ def test_device_check_passes_every_scenario_on_cpu(tmp_path: Path) -> None:
     for c in costs:
         assert c["saved_bytes"] == (c["world"] - 1) * (4 * 4096 - (4096 + 4 * 16))
         assert c["int8_in_us"] > 0 and c["int8_out_us"] > 0
-    assert "break-even GB/s" in proc.stdout
+    assert "break-even GB/s" in stdout
 
 
-def test_bench_quant_loss_compares_curves_with_the_fp32_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_bench_quant_loss_compares_curves_with_the_fp32_run(
+    launcher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out, png = tmp_path / "loss.json", tmp_path / "loss.png"
-    proc = _run(
-        BENCH_QUANT_LOSS, "--size", "tiny", "--steps", "3", "--configs", "fp32,int8",
-        "--json-out", str(out), "--plot", str(png), timeout=240,
+    stdout = _run(
+        "bench_quant_loss", "--size", "tiny", "--steps", "3", "--configs", "fp32,int8",
+        "--json-out", str(out), "--plot", str(png), launcher=launcher, monkeypatch=monkeypatch,
     )  # fmt: skip
     summary = json.loads(out.read_text())
     rows, curves = summary["rows"], summary["curves"]
@@ -154,17 +256,14 @@ def test_bench_quant_loss_compares_curves_with_the_fp32_run(tmp_path: Path) -> N
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
-        assert not png.exists() and "plot skipped" in proc.stdout
+        assert not png.exists() and "plot skipped" in stdout
 
 
 def test_bench_quant_loss_summarizes_each_config_over_seeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_QUANT_LOSS.parent))  # its sibling bench_train, as run
-    spec = importlib.util.spec_from_file_location("bench_quant_loss", BENCH_QUANT_LOSS)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_quant_loss")
     # Hand-made rows for three seeds: int8 ends 2% below, 0.5% above and 0.1% below fp32.
     rows = {
         seed: {"fp32": {"final_rel_diff_vs_fp32": 0.0}, "int8": {"final_rel_diff_vs_fp32": d}}

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -211,40 +210,40 @@ def test_bad_timeouts_are_refused_before_anything_is_switched_on() -> None:
     assert JOB_WIDE.observers == ()
 
 
-ENV_SCRIPT = """
-import os, sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch import nn
-from fully_shard import FullyShardDesyncError, fully_shard
-dist.init_process_group("gloo")
-torch.set_num_threads(1)
-rank = dist.get_rank()
-model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-for layer in model:
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-x = torch.randn(2, 4)
-try:
-    if rank == 1:
-        model[1](model[0](x))  # a different call sequence than rank 0's
-    else:
-        model(x)
-    print(f"rank {rank}: no error")
-except FullyShardDesyncError as e:
-    print(f"rank {rank}: desync: {e}")
-dist.destroy_process_group()
-"""
+def _diverge_with_checking_from_the_environment() -> tuple[str, bool]:
+    """A job whose checking the environment switched on: what this rank saw, and whether
+    checking was off before the job's first ``fully_shard`` call.
+
+    On a warm pool worker the variable is set in the rank (as a launcher sets it for every
+    rank of a job), and the checker that ``fully_shard`` installs is taken out again after.
+    """
+    env = {debug.ENV_ON: "1", debug.ENV_TIMEOUT: str(TIMEOUT)}
+    off_before = JOB_WIDE.observers == ()
+    try:
+        with mock.patch.dict(os.environ, env):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+            for layer in model:
+                fully_shard(layer, mesh=mesh_1d())
+            fully_shard(model, mesh=mesh_1d())  # the first call switches checking on
+        x = torch.randn(2, 4)
+        try:
+            if dist.get_rank() == 1:
+                model[1](model[0](x))  # a different call sequence than rank 0's
+            else:
+                model(x)
+            seen = "no error"
+        except FullyShardDesyncError as e:
+            seen = f"desync: {e}"
+    finally:
+        for observer in JOB_WIDE.observers:
+            if isinstance(observer, debug.CollectiveChecker):
+                observer.close()
+        JOB_WIDE.observers = ()
+    return seen, off_before
 
 
-def test_the_environment_variable_turns_checking_on_for_a_whole_job(tmp_path: Any) -> None:
-    script = tmp_path / "desync.py"
-    script.write_text(ENV_SCRIPT)
-    env = {**os.environ, "FULLY_SHARD_CHECK_COLLECTIVES": "1", "FULLY_SHARD_CHECK_TIMEOUT": "3"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run(
-        [*cmd, str(script)], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    for rank in (0, 1):
-        assert f"rank {rank}: desync: rank {rank}: collectives diverged" in out.stdout, out.stdout
+def test_the_environment_variable_turns_checking_on_for_a_whole_job() -> None:
+    results = run_distributed(_diverge_with_checking_from_the_environment, 2, timeout=JOB_TIMEOUT)
+    for rank, (seen, off_before) in enumerate(results):
+        assert off_before, f"rank {rank}: checking was on before the job"
+        assert seen.startswith(f"desync: rank {rank}: collectives diverged"), seen

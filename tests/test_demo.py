@@ -1,13 +1,20 @@
-"""The demo, run the way a user runs it: ``python -m fully_shard.demo`` in a fresh process.
+"""The demo: what its summary promises, and one run the way a user runs it.
 
 Each run checks what the summary promises: the measured bytes of every collective equal the
 formula for them, every rank reports its memory, and ``--trace`` writes a Chrome trace with
 every kind of event for every group on every rank (and the PNG when matplotlib is installed).
+The one-rank run is ``python -m fully_shard.demo`` in a fresh process (its launcher, a spawned
+rank and the exit code included: the fewest interpreters that start). The others run the same
+command line's ``demo.train`` on the warm pool of ``harness.py``, which is all a rank of the
+demo does between joining and leaving its process group; ``FULLY_SHARD_LAUNCHERS=pool,fresh``
+(``nox -s soak``) also runs them in a fresh process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -15,14 +22,18 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fully_shard
 from fully_shard import demo
+from harness import run_distributed
 
 KINDS = {"forward", "backward", "unshard", "reshard", "all_gather", "reduce_scatter"}
+LAUNCHERS = tuple(os.environ.get("FULLY_SHARD_LAUNCHERS", "pool").split(","))
 
 
 def _run_demo(*args: str, timeout: float = 180) -> str:
@@ -37,6 +48,33 @@ def _run_demo(*args: str, timeout: float = 180) -> str:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def _train_rank(cfg: demo.DemoConfig) -> str:
+    """Inside a pool rank: the demo's training and summary; what the rank printed.
+
+    Without tqdm (the progress falls back to plain lines): tqdm's bar takes a
+    multiprocessing lock, a named semaphore that would outlive this job in the pool's process
+    and be reported leaked at the end of the session if that process is ever killed. The
+    fresh-process run below shows the bar.
+    """
+    out = io.StringIO()
+    with (
+        mock.patch.dict(sys.modules, {"tqdm": None}),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+    ):
+        demo.train(dist.get_rank(), dist.get_world_size(), cfg)
+    return out.getvalue()
+
+
+def _demo(launcher: str, *args: str, timeout: float = 180) -> str:
+    """The demo's command line ``args``: what rank 0 printed, on ``--nproc`` pool ranks
+    (``launcher="pool"``) or in a fresh process (``"fresh"``)."""
+    if launcher == "fresh":
+        return _run_demo(*args, timeout=timeout)
+    cfg = demo.parse_args(args)
+    return run_distributed(_train_rank, cfg.nproc, cfg, timeout=timeout)[0]  # type: ignore[no-any-return]
 
 
 def _measured_and_theory(out: str, op: str) -> tuple[int, int]:
@@ -57,9 +95,11 @@ def _check_summary(out: str, nproc: int) -> None:
     assert re.search(r"loss\s+\d+\.\d+ -> \d+\.\d+ over \d+ steps", out), out
 
 
-def test_demo_with_trace_in_mixed_precision_on_uneven_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_demo_with_trace_in_mixed_precision_on_uneven_shards(launcher: str, tmp_path: Path) -> None:
     # W = 3 leaves uneven dim-0 shards (64 rows), so the formula's padding is checked too.
-    out = _run_demo(
+    out = _demo(
+        launcher,
         "--nproc", "3", "--size", "tiny", "--steps", "2", "--sample", "4", "--mixed-precision",
         "--trace", str(tmp_path),
     )  # fmt: skip
@@ -111,9 +151,10 @@ def test_expected_comm_bytes_with_int8_all_gathers_by_hand() -> None:
     assert got.reduce_scatter == 2 * (600 + 20) * 4  # gradients are not quantized
 
 
-def test_demo_with_int8_all_gathers_counts_their_bytes() -> None:
-    out = _run_demo("--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
-                    "--quantize-all-gather")  # fmt: skip
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_demo_with_int8_all_gathers_counts_their_bytes(launcher: str) -> None:
+    out = _demo(launcher, "--nproc", "2", "--size", "tiny", "--steps", "2", "--sample", "4",
+                "--quantize-all-gather")  # fmt: skip
     _check_summary(out, nproc=2)
     assert "all-gather=int8, blocks of 256" in out
     values, scales, plain = (

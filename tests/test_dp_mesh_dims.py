@@ -38,13 +38,14 @@ from fully_shard import (
 )
 from harness import device_mesh, run_distributed
 from parity import (
+    assert_same,
     assert_stats_within,
     assert_trains_like_torch,
     check_parity,
     make_float_batch,
     needs_torch_fsdp2_on_cpu,
+    snapshot,
 )
-from test_validation import assert_same, snapshot
 
 DIMS = [7, 12, 5]  # in, hidden (split by tp and dp), out
 make_batch = functools.partial(make_float_batch, in_dim=DIMS[0], out_dim=DIMS[-1])

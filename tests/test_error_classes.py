@@ -64,7 +64,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the refer
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fully_shard as ours
-from extension_stubs import BadSignature, PreOnly
+from extension_stubs import QMLP, BadSignature, Int8BlockWeight, PreOnly
 from fully_shard import (
     FullyShardError,
     FullyShardNotImplementedError,
@@ -76,7 +76,6 @@ from fully_shard import (
 )
 from harness import device_mesh, mesh_1d, run_distributed
 from parity import needs_torch_fsdp2_on_cpu
-from test_extensions import QMLP, Int8BlockWeight
 
 pytestmark = needs_torch_fsdp2_on_cpu
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import harness
-from harness import RankError, mesh_1d, run_distributed
+from harness import RankError, fresh_pool, mesh_1d, run_distributed
 
 
 def _all_reduce_rank() -> tuple[float, int, str, int]:
@@ -35,20 +35,6 @@ def _mesh_is_cached(scale: int, *, offset: int) -> tuple[int, int, bool]:
 
 def test_args_kwargs_and_mesh() -> None:
     assert run_distributed(_mesh_is_cached, 2, 10, offset=1) == [(1, 2, True), (11, 2, True)]
-
-
-def _fresh_pool(world_size: int) -> None:
-    """Replace the warm pool of ``world_size`` by a new, started one, before a test that
-    kills its ranks.
-
-    A rank killed (or ending with ``os._exit``) after earlier tests' ``torch.compile`` jobs
-    leaves their compile pool's semaphores for multiprocessing's resource tracker to clean
-    up, with a "leaked semaphore" warning at the end of the session; a new pool has none.
-    """
-    pool = harness._POOLS.pop(world_size, None)
-    if pool is not None:
-        pool.shutdown()
-    run_distributed(_tiny, world_size, 0)  # started before the test's clock does
 
 
 def _raise_on_rank_one() -> int:
@@ -75,7 +61,7 @@ def _fail_then_others_wait() -> None:
 
 
 def test_failure_does_not_wait_for_stuck_ranks() -> None:
-    _fresh_pool(2)
+    fresh_pool(2)
     start = time.monotonic()
     with pytest.raises(RankError) as info:
         run_distributed(_fail_then_others_wait, 2, timeout=30.0)
@@ -90,7 +76,7 @@ def _skip_collective_on_last_rank() -> None:
 
 
 def test_hang_is_stopped_by_timeout_and_pool_rebuilt() -> None:
-    _fresh_pool(3)
+    fresh_pool(3)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"_skip_collective_on_last_rank.*world size 3.*3\.0 s"):
         run_distributed(_skip_collective_on_last_rank, 3, timeout=3.0)
@@ -104,7 +90,7 @@ def _exit_abruptly() -> None:
 
 
 def test_dead_process_is_reported() -> None:
-    _fresh_pool(2)
+    fresh_pool(2)
     with pytest.raises(RankError, match="exited with code 3"):
         run_distributed(_exit_abruptly, 2)
     assert run_distributed(_all_reduce_rank, 2)[0][0] == 3.0

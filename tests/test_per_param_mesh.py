@@ -46,14 +46,15 @@ from fully_shard import (
 )
 from harness import device_mesh, run_distributed
 from parity import (
+    assert_same,
     assert_stats_within,
     assert_trains_like_torch,
     check_parity,
     make_float_batch,
     needs_torch_fsdp2_on_cpu,
+    snapshot,
 )
 from test_docs import _run_example
-from test_validation import assert_same, snapshot
 
 IN, DIM, HIDDEN, EXPERTS, OUT = 7, 8, 12, 4, 5
 make_batch = functools.partial(make_float_batch, in_dim=IN, out_dim=OUT)

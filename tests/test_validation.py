@@ -31,40 +31,7 @@ from fully_shard import (
 )
 from harness import mesh_1d, run_distributed
 from models import SmallNet
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    """Everything about ``model`` a failed ``fully_shard`` call must not have touched."""
-    mods = list(model.modules())
-    return {
-        "classes": [type(m) for m in mods],
-        "params": [
-            (n, id(p), type(p), p.detach().clone())
-            for n, p in model.named_parameters(remove_duplicate=False)
-        ],
-        "hooks": [
-            (
-                list(m._forward_pre_hooks),
-                list(m._forward_hooks),
-                list(m._backward_hooks),
-                list(m._backward_pre_hooks),
-            )
-            for m in mods
-        ],
-        "attrs": [sorted(m.__dict__) for m in mods],
-    }
-
-
-def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
-    assert before["classes"] == after["classes"]
-    assert before["hooks"] == after["hooks"]
-    assert before["attrs"] == after["attrs"]
-    assert len(before["params"]) == len(after["params"])
-    for (n0, i0, t0, v0), (n1, i1, t1, v1) in zip(before["params"], after["params"], strict=True):
-        assert (n0, i0, t0) == (n1, i1, t1), f"parameter {n0} was replaced"
-        assert v0.shape == v1.shape, f"parameter {n0} changed shape"
-        if v0.device.type != "meta":  # meta tensors have no values to compare
-            assert torch.equal(v0, v1), f"parameter {n0} changed value"
+from parity import assert_same, snapshot
 
 
 def still_trains(model: nn.Module) -> None:
