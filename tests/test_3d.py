@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from example_runner import run_example
 from fully_shard import fully_shard
 from harness import device_mesh, mesh_1d, run_distributed
 from models import ModelArgs, Transformer
@@ -41,7 +42,6 @@ from parity import (
     needs_torch_fsdp2_on_cpu,
     train_on_rank_rows,
 )
-from test_docs import _run_example
 from tp_plan import apply_tp, chunk_piece
 
 SHAPES = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
@@ -264,7 +264,7 @@ def test_dcp_3d_loads_into_another_3d_layout_1d_fsdp_and_a_plain_model(tmp_path:
 def test_train_llama_3d_example_at_4_ranks(shape: tuple[int, int, int]) -> None:
     """examples/train_llama_3d.py on the warm 4-rank pool (tests/test_docs.py: 2 ranks)."""
     argv = ["--steps", "3", "--shape", *map(str, shape)]
-    out = run_distributed(_run_example, 4, "train_llama_3d.py", argv, timeout=120)[0]
+    out = run_distributed(run_example, 4, "train_llama_3d.py", argv, timeout=120)[0]
     names = ", ".join(f"{n}={s}" for n, s in zip(NAMES, shape, strict=True))
     assert f"mesh DeviceMesh(({names})" in out, out
     diff = re.search(r"max \|3-D - unsharded\| over all parameters: (\S+)", out)

@@ -21,23 +21,18 @@ is made a no-op, nothing else is changed. The launcher itself is tested by runni
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
-import io
 import os
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
-import torch
-import torch.distributed as dist
 
 import fully_shard
+from example_runner import run_example
 from harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,27 +251,6 @@ def test_no_script_hard_codes_the_cpu_or_gloo() -> None:
     assert INHERENTLY_CPU.keys() - found == set(), "stale entries: drop them"
 
 
-def _run_example(script: str, argv: list[str]) -> str:
-    """Inside a rank: run ``examples/<script>`` as ``__main__``; return what it printed."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))  # as torchrun does: the script's folder first
-    torch._dynamo.reset()  # compile.py: no graphs cached from an earlier job on this worker
-    out = io.StringIO()
-    refuse = AssertionError(f"{script} calls init_process_group; join with init_distributed()")
-    joined = mock.Mock(wraps=fully_shard.init_distributed)
-    with (
-        mock.patch.object(sys, "argv", [str(EXAMPLES / script), *argv]),
-        mock.patch.object(dist, "init_process_group", side_effect=refuse),
-        mock.patch.object(dist, "destroy_process_group"),  # the pool's group stays up
-        mock.patch.object(fully_shard, "init_distributed", joined),
-        contextlib.redirect_stdout(out),
-    ):
-        runpy.run_path(str(EXAMPLES / script), run_name="__main__")
-    if not joined.called:
-        raise AssertionError(f"{script} never called fully_shard.init_distributed()")
-    return out.getvalue()
-
-
 @pytest.mark.parametrize("script", sorted(EXAMPLES_RUN))
 def test_example_runs_on_two_ranks(script: str, tmp_path: Path) -> None:
     module = NEEDS.get(script)
@@ -284,7 +258,7 @@ def test_example_runs_on_two_ranks(script: str, tmp_path: Path) -> None:
         pytest.skip(f"{module} is not installed (pip install -e '.[hf]')")
     extra, expect = EXAMPLES_RUN[script]
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
-    outputs = run_distributed(_run_example, 2, script, argv, timeout=TIMEOUT_S)
+    outputs = run_distributed(run_example, 2, script, argv, timeout=TIMEOUT_S)
     assert re.search(expect, outputs[0]), f"{script}: no line matching {expect!r}:\n{outputs}"
 
 

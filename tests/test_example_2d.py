@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from example_runner import run_example
 from harness import run_distributed
-from test_docs import _run_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama_2d.py"
 LAUNCHERS = tuple(os.environ.get("FULLY_SHARD_LAUNCHERS", "pool").split(","))
@@ -30,7 +30,7 @@ TIMEOUT_S = 180
 def _run(launcher: str, argv: list[str]) -> str:
     """What rank 0 printed (on the pool) or what the 4 ranks printed (under torchrun)."""
     if launcher == "pool":
-        return run_distributed(_run_example, 4, EXAMPLE.name, argv, timeout=TIMEOUT_S)[0]  # type: ignore[no-any-return]
+        return run_distributed(run_example, 4, EXAMPLE.name, argv, timeout=TIMEOUT_S)[0]  # type: ignore[no-any-return]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from example_runner import run_example
 from fully_shard import (
     CountingComm,
     DataParallelMeshDims,
@@ -54,7 +55,6 @@ from parity import (
     needs_torch_fsdp2_on_cpu,
     snapshot,
 )
-from test_docs import _run_example
 
 IN, DIM, HIDDEN, EXPERTS, OUT = 7, 8, 12, 4, 5
 make_batch = functools.partial(make_float_batch, in_dim=IN, out_dim=OUT)
@@ -411,7 +411,7 @@ def test_bad_per_param_meshes_are_refused_before_anything_changes() -> None:
 
 def test_moe_example_at_4_ranks() -> None:
     """examples/moe_experts.py on the warm 4-rank pool: EP 2 x expert-FSDP 2."""
-    out = run_distributed(_run_example, 4, "moe_experts.py", ["--steps", "3"], timeout=120)[0]
+    out = run_distributed(run_example, 4, "moe_experts.py", ["--steps", "3"], timeout=120)[0]
     assert "moe: 2 groups, sharded over 4 ranks (router.weight, router.bias), 2 ranks" in out
     diff = re.search(r"max \|sharded - unsharded\| over all parameters: (\S+)", out)
     assert diff is not None and float(diff.group(1)) <= 1e-5, out
