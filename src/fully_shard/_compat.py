@@ -354,3 +354,45 @@ def register_with_torch_composable(module: torch.nn.Module, view: object) -> Non
         states = _StateRegistry(view)
         states.update(module.__dict__.get(state_key) or {})
         module.__dict__[state_key] = states
+
+
+# -- the graph path's (fully_shard.graph) --------------------------------------------------
+# Functional collectives as the ops dynamo and AOTAutograd trace: ``_c10d_functional``'s
+# ops (present with these names and signatures since torch 2.2; run on 2.13.0) and their
+# wait. The public wrappers in torch.distributed._functional_collectives changed names in
+# 2.13 (all_gather_tensor -> all_gather_single) and warn under the old ones; the ops did not.
+
+
+def funcol_all_gather(t: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """All-gather ``t`` (1-D) over the named group: ``(world * numel,)``, rank by rank."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_gather_into_tensor(t, world, group_name))  # type: ignore[no-any-return]
+
+
+def funcol_reduce_scatter(t: torch.Tensor, op: str, world: int, group_name: str) -> torch.Tensor:
+    """Reduce-scatter ``t`` (1-D, ``world`` chunks) with ``op`` ("sum" / "avg")."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.reduce_scatter_tensor(t, op, world, group_name))  # type: ignore[no-any-return]
+
+
+def funcol_all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """All-reduce ``t`` over the named group with ``op`` ("sum" / "avg")."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(t, op, group_name))  # type: ignore[no-any-return]
+
+
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo runs ``fn`` for real when it traces a call and bakes the result in as a constant.
+
+    The graph path's one use: the root's lazy init (Python bookkeeping and eager tensor
+    allocation) must run once before the traced forward, and fullgraph allows no break to run
+    it in. ``torch._dynamo.assume_constant_result`` (2.13.0; present since 2.0).
+    """
+    return torch._dynamo.assume_constant_result(fn)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def graph_checkpoint(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """``fn(*args)`` recomputed in backward instead of saved (non-reentrant checkpoint)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
