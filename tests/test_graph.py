@@ -280,3 +280,39 @@ def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
         # The blocks reshard after forward (the default below the root): bf16 gathers again.
         expected = [("all_gather", torch.bfloat16)] * 2 + [("reduce_scatter", torch.float32)] * 3
         assert sorted(bw) == sorted(expected)
+
+
+def _untraceable(case: str) -> tuple[str, str]:
+    """Compile a model whose root group uses an option the graph path cannot trace."""
+    from fully_shard import CountingComm, QuantizationPolicy
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    options: dict[str, Any] = {}
+    if case == "offload":
+        options["offload_policy"] = CPUOffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh_1d(), **options)
+    if case == "int8":  # the embedding's padded shard (7 x 8 elements) holds a block of 8
+        options["quantization_policy"] = QuantizationPolicy(all_gather="int8", block_size=8)
+    fully_shard(model, mesh=mesh_1d(), **options)
+    if case == "comm":
+        model.set_comm(CountingComm())  # type: ignore[operator]
+    run = torch.compile(model, backend="eager", fullgraph=True)
+    try:
+        run(_batch(0, 2)[0])
+    except Exception as e:  # dynamo wraps it (InternalTorchDynamoError); ours is the context
+        cause = e if isinstance(e, FullyShardNotImplementedError) else e.__context__
+        return type(cause).__name__, str(cause)
+    return "", "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [("offload", "CPU offload"), ("int8", "int8 (QuantizationPolicy)"), ("comm", "set_comm")],
+)
+def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:
+    for kind, message in run_distributed(functools.partial(_untraceable, case), 2, timeout=120):
+        assert kind == "FullyShardNotImplementedError", message
+        assert names in message and "ompile each block instead" in message, message
