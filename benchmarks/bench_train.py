@@ -598,7 +598,8 @@ def _warm_device(ctx: RankContext) -> None:
 
 
 def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
-    """Peak memory over one steady-state step and the bytes per collective of the next.
+    """Peak memory over one steady-state step and the bytes per collective of the next, and
+    the time of the instance's first step (the compiled implementations compile in it).
 
     A fresh instance, built, warmed up (2 steps: AdamW allocates its state, DDP rebuilds its
     buckets), measured and torn down inside this call, so the timed instances are untouched
@@ -620,7 +621,11 @@ def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
         base = torch.cuda.memory_allocated(ctx.device)
     model, optim = build(impl, ctx)
     for k in range(2):
+        start = time.perf_counter()
         train_step(model, optim, ctx.batches[k])
+        if k == 0:  # the compiled implementations compile here, their first time in the run
+            ctx.sync()
+            first_step = time.perf_counter() - start
     ctx.sync()
     if not on_cpu:
         state = torch.cuda.memory_allocated(ctx.device) - base
@@ -638,14 +643,13 @@ def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
     train_step(model, optim, ctx.batches[3])
     ctx.sync()
     counts = read_counts()
-    return {"state_bytes": state, "peak_bytes": peak, **counts}
+    return {"state_bytes": state, "peak_bytes": peak, "first_step_s": first_step, **counts}
 
 
 def time_interleaved(
     ctx: RankContext,
-) -> tuple[dict[str, list[list[float]]], dict[str, list[float]], dict[str, float]]:
-    """Train every implementation; returns per-impl step times (s), global losses, and the
-    time (s) of each one's first step (for the compiled ones: mostly compilation).
+) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+    """Train every implementation; returns per-impl step times (s) and global losses.
 
     A step's time is ``[total, forward, backward, optimizer]``: forward includes the loss,
     optimizer is ``step()`` plus ``zero_grad()``.
@@ -658,7 +662,6 @@ def time_interleaved(
     runs = {impl: build(impl, ctx) for impl in opts.impls}
     times: dict[str, list[list[float]]] = {impl: [] for impl in opts.impls}
     losses: dict[str, list[Tensor]] = {impl: [] for impl in opts.impls}
-    first: dict[str, float] = {}  # the first step's time: compilation, for the compiled ones
 
     def one_step(impl: str, timed: bool) -> None:
         model, optim = runs[impl]
@@ -675,7 +678,6 @@ def time_interleaved(
         ctx.sync()
         t3 = time.perf_counter()
         losses[impl].append(loss)
-        first.setdefault(impl, t3 - t0)
         if timed:
             t1, t2 = marks
             times[impl].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2])
@@ -694,7 +696,7 @@ def time_interleaved(
         stacked = torch.stack(losses[impl]).double()
         dist.all_reduce(stacked)  # mean of the ranks' means = the global batch's mean loss
         global_losses[impl] = (stacked / opts.world).tolist()
-    return times, global_losses, first
+    return times, global_losses
 
 
 def init_rank(
@@ -746,13 +748,12 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
         t0 = time.perf_counter()
         measured = {impl: measure_instance(impl, ctx) for impl in opts.impls}
         t1 = time.perf_counter()
-        times, losses, first_step = time_interleaved(ctx)
+        times, losses = time_interleaved(ctx)
         phases = {"measure_s": t1 - t0, "train_s": time.perf_counter() - t1}
         result = {
             "rank": rank,
             "measured": measured,
             "times": times,
-            "first_step_s": first_step,
             "losses": losses,
             "phases": phases,
         }
@@ -918,7 +919,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
                 "all": ms,
             },
             "phase_ms_median": phase_ms,
-            "first_step_s": max(r["first_step_s"][impl] for r in ranks),
+            "first_step_s": max(r["measured"][impl]["first_step_s"] for r in ranks),
             "peak_bytes_per_rank": [m["peak_bytes"] for m in measured],
             "state_bytes_per_rank": [m["state_bytes"] for m in measured],
             "comm_bytes_per_step": comm_bytes,
@@ -955,7 +956,11 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
                     "peak_memory_max_rank": max(ours["peak_bytes_per_rank"])
                     / max(impls[other]["peak_bytes_per_rank"]),
                 }
-    pairs = [("ours-graph", "ours"), ("ours-graph", "fsdp2-compiled"), ("ours-graph", "ddp-compiled")]
+    pairs = [
+        ("ours-graph", "ours"),
+        ("ours-graph", "fsdp2-compiled"),
+        ("ours-graph", "ddp-compiled"),
+    ]
     for mine, other in pairs:
         if mine in impls and other in impls and f"{mine}/{other}" not in ratios:
             ratios[f"{mine}/{other}"] = {

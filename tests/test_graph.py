@@ -124,10 +124,14 @@ def _collectives(gm: torch.fx.GraphModule) -> list[tuple[str, torch.dtype]]:
 def _shard(model: _Net, mesh: Any, **options: Any) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
+    fully_shard(
+        model, mesh=mesh, **{k: v for k, v in options.items() if k != "reshard_after_forward"}
+    )
 
 
-def _step(run: Any, optim: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+def _step(
+    run: Any, optim: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> float:
     loss = loss_fn(run(tokens), targets)
     loss.backward()
     optim.step()
@@ -175,9 +179,7 @@ def _train_exact(backend: str, hsdp: bool, checkpointed: bool) -> dict[str, Any]
 def test_whole_model_in_one_graph_trains_exactly(backend: str) -> None:
     """W=2, fp32, tied + frozen weights, uneven rows, AC inside blocks: one forward and one
     backward graph, no recompilation, parameters within 1e-5 of the unsharded replica."""
-    got = run_distributed(
-        functools.partial(_train_exact, backend, False, True), 2, timeout=300
-    )
+    got = run_distributed(functools.partial(_train_exact, backend, False, True), 2, timeout=300)
     for r in got:
         assert max(r["diffs"]) < 1e-5, r["diffs"]
         assert r["registered"] and r["grads_none"] and r["sharded"] == "GroupState.SHARDED"
@@ -189,7 +191,9 @@ def test_whole_model_in_one_graph_trains_exactly(backend: str) -> None:
         assert fw == [("all_gather", torch.float32)] * 3
         # Backward: the blocks reshard after forward, so their gathers are recomputed; the
         # root keeps its parameters. One reduce-scatter per group, fp32.
-        assert sorted(bw) == sorted([("all_gather", torch.float32)] * 2 + [("reduce_scatter", torch.float32)] * 3)
+        assert sorted(bw) == sorted(
+            [("all_gather", torch.float32)] * 2 + [("reduce_scatter", torch.float32)] * 3
+        )
 
 
 def _train_hsdp_accumulating(backend: str) -> dict[str, Any]:
@@ -316,3 +320,44 @@ def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, n
     for kind, message in run_distributed(functools.partial(_untraceable, case), 2, timeout=120):
         assert kind == "FullyShardNotImplementedError", message
         assert names in message and "ompile each block instead" in message, message
+
+
+def _train_blocks_compiled_after_sharding(backend: str) -> dict[str, Any]:
+    """``torch.compile(block, fullgraph=True)`` after ``fully_shard``, the root eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    reference = copy.deepcopy(model)
+    graphs = _Graphs(backend)
+    for i, block in enumerate(list(model.blocks)):
+        fully_shard(block, mesh=mesh_1d())
+        model.blocks[i] = torch.compile(block, backend=graphs, fullgraph=True)
+    fully_shard(model, mesh=mesh_1d())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    rank, frames = torch.distributed.get_rank(), []
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 4)
+        _step(model, optim, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        _step(reference, ref_optim, tokens, targets)
+        frames.append(graphs.frames)
+    return {
+        "diffs": [
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ],
+        "frames": frames,
+        "fw": [_collectives(g) for g in graphs.fw],
+    }
+
+
+def test_block_compiled_after_sharding_carries_its_own_collectives() -> None:
+    """Each block's graph holds its gather (the root's hooks stay eager); exact."""
+    got = run_distributed(
+        functools.partial(_train_blocks_compiled_after_sharding, BACKENDS[0]), 2, timeout=300
+    )
+    for r in got:
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["frames"] == [2] * STEPS  # one graph per block (their groups differ)
+        if BACKENDS[0] != "inductor":
+            assert r["fw"] == [[("all_gather", torch.float32)]] * 2

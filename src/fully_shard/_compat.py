@@ -391,8 +391,30 @@ def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch._dynamo.assume_constant_result(fn)  # type: ignore[no-untyped-call,no-any-return]
 
 
-def graph_checkpoint(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
-    """``fn(*args)`` recomputed in backward instead of saved (non-reentrant checkpoint)."""
-    from torch.utils.checkpoint import checkpoint
+def forward_hooks(
+    module: torch.nn.Module,
+) -> tuple[list[tuple[int, Callable[..., Any], bool]], list[tuple[int, Callable[..., Any], bool]]]:
+    """``(id, hook, with_kwargs)`` of ``module``'s forward pre-hooks and forward hooks, in the
+    order ``nn.Module.__call__`` runs them.
 
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    The graph path calls a sharded module's hooks itself (its own replaced by their traceable
+    side); nn.Module keeps them in private dicts (2.13.0; the same names since 2.0).
+    """
+    pre = [
+        (i, h, i in module._forward_pre_hooks_with_kwargs)
+        for i, h in module._forward_pre_hooks.items()
+    ]
+    post = [
+        (i, h, i in module._forward_hooks_with_kwargs) for i, h in module._forward_hooks.items()
+    ]
+    return pre, post
+
+
+def has_backward_or_global_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has hooks the graph path does not call: backward hooks on the module
+    or any global module hook (nn.Module's private state, 2.13.0)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(
+        module._backward_hooks or module._backward_pre_hooks or nn_module._has_any_global_hook()  # type: ignore[no-untyped-call]
+    )

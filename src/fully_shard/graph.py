@@ -29,7 +29,6 @@ unchanged (a block compiled on its own keeps them too).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,17 +36,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from ._compat import (
     assume_constant_result,
+    forward_hooks,
     funcol_all_gather,
     funcol_all_reduce,
     funcol_reduce_scatter,
-    graph_checkpoint,
+    has_backward_or_global_hooks,
 )
-from .collectives import Reduction, plan_reduction
+
+# The packing of the eager engine lives beside its collectives for now; what the graph path
+# takes from there, in one place.
+from .collectives import Reduction, TorchComm, plan_reduction
 from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .layout import ShardLayout
+from .observer import JOB_WIDE, ProfilerLabels
+from .policies import OffloadPolicy
+from .quantize import PLAIN
+from .storage import DenseStorage, WholeShard
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -219,7 +227,7 @@ class _GatherGroup(torch.autograd.Function):
         flat = torch.cat(parts) if len(parts) > 1 else parts[0]
         if plan.world > 1:
             flat = funcol_all_gather(flat, plan.world, plan.shard_group)
-        blocks = flat.view(plan.world, -1).split(plan.numels, dim=1)
+        blocks = torch.split(flat.view(plan.world, -1), list(plan.numels), dim=1)
         return tuple(_unranked(b, p) for b, p in zip(blocks, plan.params, strict=True))
 
     @staticmethod
@@ -240,7 +248,7 @@ class _GatherGroup(torch.autograd.Function):
             (kept,) = ctx.saved_tensors
             flat = flat + kept
         flat = _reduce_flat(plan, flat)
-        pieces = flat.split([plan.params[i].padded_numel for i in members])
+        pieces = torch.split(flat, [plan.params[i].padded_numel for i in members])
         out = list(none)
         for i, piece in zip(members, pieces, strict=True):
             p = plan.params[i]
@@ -254,8 +262,10 @@ class _GatherGroup(torch.autograd.Function):
 
 @dataclass
 class GraphRun:
-    """One traced root forward: which states are gathered and what the modules show."""
+    """One traced forward: which states are gathered and what the modules show."""
 
+    owner: int  # id() of the state whose module call started it (the root, or a block
+    # compiled on its own) and whose post-forward ends it
     gathered: set[int]  # id() of the states whose groups were gathered in this forward
     shown: list[tuple[nn.Module, str]]  # (module, name) entries put in module.__dict__
 
@@ -275,12 +285,6 @@ _PER_BLOCK = (
 
 def check_traceable(group: ParamGroup) -> None:
     """Raise, naming the option, if ``group`` uses something the graph path cannot trace."""
-    from .collectives import TorchComm  # noqa: PLC0415  (one place to repoint after the split)
-    from .observer import JOB_WIDE, ProfilerLabels  # noqa: PLC0415
-    from .policies import OffloadPolicy  # noqa: PLC0415
-    from .quantize import PLAIN  # noqa: PLC0415
-    from .storage import DenseStorage, WholeShard  # noqa: PLC0415
-
     config = group.config
     if type(config.offload_policy) is not OffloadPolicy:
         _refuse(group, "CPU offload moves shards between host and device in Python", _PER_BLOCK)
@@ -291,9 +295,13 @@ def check_traceable(group: ParamGroup) -> None:
             "Use reshard_after_forward=True or False, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
         )
     if config.all_gather_comm is not None or config.reduce_scatter_comm is not None:
-        _refuse(group, "set_custom_all_gather / set_custom_reduce_scatter are Python calls", _PER_BLOCK)
+        _refuse(
+            group, "set_custom_all_gather / set_custom_reduce_scatter are Python calls", _PER_BLOCK
+        )
     if config.all_reduce_hook is not None:
-        _refuse(group, "the all-reduce hook is a Python callback on the gradient buffer", _PER_BLOCK)
+        _refuse(
+            group, "the all-reduce hook is a Python callback on the gradient buffer", _PER_BLOCK
+        )
     if (
         config.requires_gradient_sync
         and not config.requires_all_reduce
@@ -330,7 +338,9 @@ def check_traceable(group: ParamGroup) -> None:
         _refuse(
             group,
             f"its parameters compute in several dtypes ({sorted(map(str, dtypes))})",
-            "Give them one dtype (MixedPrecisionPolicy(param_dtype=...)), or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+            "Give them one dtype (MixedPrecisionPolicy(param_dtype=...)), or "
+            + _PER_BLOCK[0].lower()
+            + _PER_BLOCK[1:],
         )
 
 
@@ -428,8 +438,6 @@ def _local(p: Any) -> torch.Tensor:
 
 
 def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
-    from .observer import JOB_WIDE  # noqa: PLC0415
-
     config = group.config
     plan = _plan_for(
         group,
@@ -447,11 +455,13 @@ def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
         # The sums of the unsynced passes go into this reduction; the accumulator starts over.
         extra = acc.grad
         acc.grad = None
-    if not reshard:
-        return _GatherGroup.apply(plan, extra, *shards)  # type: ignore[no-any-return]
-    # Recomputed in backward: no gathered parameter is kept from forward to backward.
     gather = functools.partial(_GatherGroup.apply, plan)
-    return graph_checkpoint(gather, extra, *shards)  # type: ignore[no-any-return]
+    if not reshard:
+        return gather(extra, *shards)  # type: ignore[no-any-return]
+    # Recomputed in backward (a non-reentrant checkpoint of the gather alone, which dynamo
+    # and AOTAutograd turn into recompute tags): no gathered parameter is kept from forward
+    # to backward, and the backward graph all-gathers again.
+    return checkpoint(gather, extra, *shards, use_reentrant=False, preserve_rng_state=False)  # type: ignore[no-any-return]
 
 
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
@@ -474,8 +484,8 @@ def graph_pre_forward(
     if ctx is None:
         raise FullyShardStateError("graph path without a root (internal error)")
     run = ctx.graph_run
-    if run is None:  # the root's forward starts the traced step
-        run = GraphRun(set(), [])
+    if run is None:  # the outermost sharded module of the traced frame starts the run
+        run = GraphRun(id(state), set(), [])
         ctx.graph_run = run
     if id(state) not in run.gathered:
         _show(run, state, state.reshard_after_forward)
@@ -483,9 +493,9 @@ def graph_pre_forward(
 
 
 def graph_post_forward(state: FSDPState, module: nn.Module, output: Any) -> Any:
-    """The forward post-hook: the root's ends the traced step and shows the shards again."""
+    """The forward post-hook: the run's owner ends it and shows the shards again."""
     ctx = state.root
-    if ctx is not None and state.is_root and ctx.graph_run is not None:
+    if ctx is not None and ctx.graph_run is not None and ctx.graph_run.owner == id(state):
         for mod, name in ctx.graph_run.shown:
             mod.__dict__.pop(name, None)
         ctx.graph_run = None
@@ -502,15 +512,15 @@ def _initialized(state: FSDPState) -> bool:
 def takes_graph_path(state: FSDPState) -> bool:
     """Inside a traced frame: whether this state's module call runs on the graph path.
 
-    The root's does (the whole model is being traced); another state's does while its root's
-    traced forward runs. A block compiled on its own (its root eager) keeps the eager hooks
-    (``block.compile()`` traces its hooks as frames of their own, which dynamo skips).
+    Always, once the root exists: a sharded module's call is traced only when the whole model
+    is compiled (``torch.compile(model)``: the root's call, and every block's inside it) or
+    when a sharded block is compiled on its own (``torch.compile(block)`` after
+    ``fully_shard``, its root eager): then the block's own gather and reduction are in its
+    graph. The other per-block orders (``block.compile()``, compiling before sharding) never
+    trace this call and keep the eager hooks.
     """
     _initialized(state)
-    ctx = state.root
-    if ctx is None:
-        return False
-    return state.is_root or ctx.graph_run is not None
+    return state.root is not None
 
 
 @assume_constant_result
@@ -529,19 +539,18 @@ def graph_call(
     ``FSDPModule.__call__`` calls this instead of ``nn.Module.__call__`` there, because the
     eager hooks must not be traced at all (a ``torch.compiler.disable``d call breaks the graph).
     """
-    from torch.nn.modules import module as nn_module  # noqa: PLC0415
-
-    if module._backward_hooks or module._backward_pre_hooks or nn_module._has_any_global_hook():
+    if has_backward_or_global_hooks(module):
         raise FullyShardNotImplementedError(
             f"torch.compile of the whole sharded model cannot run {type(module).__name__}: it "
             "has backward hooks or global module hooks, which the graph path does not call. "
             "Remove them, or compile each block instead (torch.compile(block) per fully_shard "
             "block)"
         )
-    for hook_id, hook in module._forward_pre_hooks.items():
+    pre_hooks, post_hooks = forward_hooks(module)
+    for hook_id, hook, with_kwargs in pre_hooks:
         if _is_ours(state, hook_id):
             args, kwargs = graph_pre_forward(state, module, args, kwargs)
-        elif hook_id in module._forward_pre_hooks_with_kwargs:
+        elif with_kwargs:
             result = hook(module, args, kwargs)
             if result is not None:
                 args, kwargs = result
@@ -550,13 +559,12 @@ def graph_call(
             if result is not None:
                 args = result if isinstance(result, tuple) else (result,)
     output = module.forward(*args, **kwargs)
-    for hook_id, hook in module._forward_hooks.items():
+    for hook_id, hook, with_kwargs in post_hooks:
         if _is_ours(state, hook_id):
             output = graph_post_forward(state, module, output)
-        elif hook_id in module._forward_hooks_with_kwargs:
-            result = hook(module, args, kwargs, output)
-            output = output if result is None else result
         else:
-            result = hook(module, args, output)
+            result = (
+                hook(module, args, kwargs, output) if with_kwargs else hook(module, args, output)
+            )
             output = output if result is None else result
     return output
