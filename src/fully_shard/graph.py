@@ -19,11 +19,27 @@ sharded model captures the whole step, collectives included:
 The module sees the gathered tensors through its instance ``__dict__``: an entry there shadows
 ``nn.Module.__getattr__``'s lookup in ``_parameters``, so forward computes with the gathered
 tensor while ``_parameters``, ``state_dict()``, the optimizer and every ``FSDPModule`` method
-keep the sharded DTensors. The root's post-forward hook removes the entries again.
+keep the sharded DTensors. The post-forward of the module whose call started the traced
+forward (the root's) removes the entries again.
 
-The forward hooks installed by ``fully_shard`` choose the path (:func:`dispatching_hooks`):
-inside a frame dynamo traces from the root down, the graph path; otherwise the eager hooks,
-unchanged (a block compiled on its own keeps them too).
+Where the paths part: ``FSDPModule.__call__``. When dynamo traces it (``torch.compile(model)``,
+or a sharded block compiled on its own after ``fully_shard``) it calls :func:`graph_call`,
+which runs the module's forward hooks with ``fully_shard``'s replaced by
+:func:`graph_pre_forward` / :func:`graph_post_forward`; everywhere else ``nn.Module.__call__``
+runs the eager hooks, unchanged. The per-block orders that compile ``_call_impl`` or a module
+before sharding never trace that call, so they keep the eager hooks.
+
+Python facts (the options, the layouts, the process groups) are read once, when dynamo
+traces, by functions it calls as constants (:func:`_plan_for`); dynamo guards on the options
+they depend on, so ``set_requires_gradient_sync`` and the other setters recompile once per
+value. An option the graph cannot hold raises there (:func:`check_traceable`).
+
+Example:
+    >>> for block in model.layers:  # doctest: +SKIP
+    ...     fully_shard(block)
+    >>> fully_shard(model)  # doctest: +SKIP
+    >>> compiled = torch.compile(model, fullgraph=True)  # doctest: +SKIP
+    >>> compiled(tokens).sum().backward()  # collectives in the graphs  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -47,8 +63,8 @@ from ._compat import (
     has_backward_or_global_hooks,
 )
 
-# The packing of the eager engine lives beside its collectives for now; what the graph path
-# takes from there, in one place.
+# What the graph path takes from the eager engine's communication module, in one place (the
+# graph path packs its own buffers, out of place, so that they trace as pure operations).
 from .collectives import Reduction, TorchComm, plan_reduction
 from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .layout import ShardLayout
