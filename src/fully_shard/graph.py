@@ -349,7 +349,7 @@ def check_traceable(group: ParamGroup) -> None:
                 f"parameter {p.fqn!r} is still on the meta device; call "
                 "module.to_empty(device=...) and initialise the parameters first"
             )
-    dtypes = {p.compute_dtype for p in group.params}
+    dtypes = {config.mp_policy.compute_dtype(p.orig_dtype) for p in group.params}
     if len(dtypes) > 1:
         _refuse(
             group,
@@ -416,8 +416,10 @@ def _ensure_accumulator(group: ParamGroup, plan: _GatherPlan) -> None:
 def gather_plan(group: ParamGroup) -> _GatherPlan:
     """The constants of ``group``'s gather and reduction, read now."""
     info, config = group.info, group.config
-    params = tuple(_ParamPlan.of(p.layout, p.compute_dtype, p.orig_dtype) for p in group.params)
-    mp = config.mp_policy
+    mp = config.mp_policy  # the group's, asked now for each shard's dtype now
+    params = tuple(
+        _ParamPlan.of(p.layout, mp.compute_dtype(p.orig_dtype), p.orig_dtype) for p in group.params
+    )
     reduce_dtype = mp.reduce_dtype_for(group.params[0].orig_dtype)
     plan = plan_reduction(
         reduce_dtype,
