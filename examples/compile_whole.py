@@ -20,11 +20,9 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from toy import ToyLM, batch, log, loss_fn
 
-from fully_shard import fully_shard
+from fully_shard import fully_shard, init_distributed
 
 
 class KeepGraphs:
@@ -78,20 +76,19 @@ def main() -> None:
 
     keep = KeepGraphs() if args.backend == "aot_eager" else None
     counter = keep or CompileCounterWithBackend(args.backend)
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    job = init_distributed()  # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU
     torch.manual_seed(0)
-    model = ToyLM(n_layers=2)
+    model = ToyLM(n_layers=2).to(job.device)
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=job.mesh)
+    fully_shard(model, mesh=job.mesh)
     run = torch.compile(model, backend=counter, fullgraph=True)
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     frames: list[int] = []
     for step in range(args.steps):
         start = time.perf_counter()
-        tokens, targets = batch(step)
+        tokens, targets = batch(step, device=job.device)
         loss = loss_fn(run(tokens), targets)
         loss.backward()
         optim.step()
@@ -105,8 +102,7 @@ def main() -> None:
     log(f"frames compiled after each step: {frames} (the whole model, fullgraph=True)")
     if frames != [1] * len(frames):
         raise SystemExit(f"expected one frame compiled once, got {frames}")
-    dist.barrier()  # leave together: no rank tears down its connections while one still runs
-    dist.destroy_process_group()
+    job.shutdown()  # leave together: no rank tears down its connections while one still runs
 
 
 if __name__ == "__main__":
