@@ -89,7 +89,8 @@ def soak(session: nox.Session) -> None:
     # resumable examples under torchrun (its agent restarting the killed ranks)
     env["FULLY_SHARD_LAUNCHERS"] = "pool,fresh"
     tests = ("tests/test_soak.py", "tests/test_stateful.py", "tests/test_properties.py")
-    tests += ("tests/test_compile.py",)
+    # test_compile.py and test_graph.py (the whole model in one graph) with inductor too
+    tests += ("tests/test_compile.py", "tests/test_graph.py")
     tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
     tests += ("tests/test_resume.py",)
     session.run("pytest", *tests, *session.posargs, env=env)

@@ -12,6 +12,14 @@ builds the same model from the same seed once per implementation:
 * ``ddp``   -- ``torch.nn.parallel.DistributedDataParallel``;
 * ``plain`` (only with ``--nproc 1``) -- the model itself, no wrapper: the floor a one-rank
   run of any of them is measured against;
+* ``ours-graph`` -- ours sharded the same way, then ``torch.compile(model, fullgraph=True)``:
+  the whole step in one graph, collectives included (``fully_shard.graph``);
+* ``fsdp2-compiled`` -- torchtitan's order for torch's FSDP2: each block
+  ``torch.compile(block, fullgraph=True)``, then ``fully_shard`` on the compiled blocks and the
+  root (the hooks run eagerly between the blocks' graphs);
+* ``ddp-compiled`` -- DDP, then ``torch.compile(model)``;
+  the three compiled ones use ``--compile-backend`` (default inductor) and report the time of
+  their first step (the compilation) separately;
 * ``ours-nogather`` (only when asked for) -- ours with every all-gather replaced by a local
   copy of the rank's own shard into each slot: no bytes move, the losses are wrong by design.
   A floor for the step time: what ours would take if all-gathers cost nothing.
@@ -72,10 +80,23 @@ from fully_shard.demo import leave_rank
 from fully_shard.launch import Distributed, init_distributed
 from fully_shard.quantize import int8_gather_nbytes
 
-IMPLS = ("ours", "ours-int8", "fsdp2", "ddp", "ours-nogather", "plain")
+IMPLS = (
+    "ours",
+    "ours-int8",
+    "fsdp2",
+    "ddp",
+    "ours-nogather",
+    "plain",
+    "ours-graph",
+    "fsdp2-compiled",
+    "ddp-compiled",
+)
 DEFAULT_IMPLS = IMPLS[:4]
-OURS = ("ours", "ours-int8", "ours-nogather")
-ZERO3 = (*OURS, "fsdp2")
+OURS = ("ours", "ours-int8", "ours-nogather", "ours-graph")
+ZERO3 = (*OURS, "fsdp2", "fsdp2-compiled")
+# Compiled with torch.compile (--compile-backend): their collectives are in the compiled code,
+# where no Comm can count them, so their bytes are not measured.
+COMPILED = ("ours-graph", "fsdp2-compiled", "ddp-compiled")
 PHASES = ("forward", "backward", "optimizer")
 LABELS = {
     "ours": "fully_shard (ours)",
@@ -84,6 +105,9 @@ LABELS = {
     "ddp": "torch DDP",
     "ours-nogather": "ours, no-op gathers",
     "plain": "unsharded, no wrapper",
+    "ours-graph": "ours, one graph",
+    "fsdp2-compiled": "FSDP2, blocks comp.",
+    "ddp-compiled": "DDP, compiled",
 }
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
@@ -309,6 +333,7 @@ class RunOptions:
     foreach: bool
     block_size: int = 256
     backend: str = "gloo"  # "nccl" for --device cuda unless --backend gloo
+    compile_backend: str = "inductor"  # torch.compile's, for the compiled implementations
 
     @property
     def quantization(self) -> fs.QuantizationPolicy:
@@ -359,12 +384,16 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
     """The model from the run's seed, wrapped by ``impl``, and its AdamW optimizer."""
     torch.manual_seed(ctx.opts.seed)
     model: nn.Module = Llama(ctx.opts.model).to(ctx.device)
+    compile_backend = ctx.opts.compile_backend
     if impl in ZERO3:
         shard: Callable[..., Any] = torch_fully_shard
         if impl in OURS:
             policy = ctx.opts.quantization if impl == "ours-int8" else fs.QuantizationPolicy()
             shard = functools.partial(fs.fully_shard, quantization_policy=policy)
-        for block in model.layers:
+        for i, block in enumerate(list(model.layers)):
+            if impl == "fsdp2-compiled":  # torchtitan's order: compile each block, then shard
+                block = torch.compile(block, backend=compile_backend, fullgraph=True)
+                model.layers[i] = block
             shard(block, mesh=ctx.mesh)
         if ctx.opts.wrap == "head":
             # Backward starts at the head: keeping it gathered from forward costs no extra
@@ -374,7 +403,11 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
         shard(model, mesh=ctx.mesh)
         if impl == "ours-nogather":
             model.set_comm(NoGatherComm())  # type: ignore[operator]
-    elif impl == "ddp":
+        optim = _adamw(model, ctx)
+        if impl == "ours-graph":
+            model = torch.compile(model, backend=compile_backend, fullgraph=True)  # type: ignore[assignment]
+        return model, optim
+    elif impl in ("ddp", "ddp-compiled"):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # The RoPE tables are the same on every rank: no buffer broadcast before each forward.
         # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (the old name warns).
@@ -383,14 +416,21 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
             "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         )
         model = DistributedDataParallel(model, device_ids=device_ids, **{no_sync: False})
+        if impl == "ddp-compiled":
+            optim = _adamw(model, ctx)
+            return torch.compile(model, backend=compile_backend), optim  # type: ignore[return-value]
     elif impl == "plain":
         if dist.get_world_size() != 1:
             raise ValueError("--impls plain trains without synchronisation: use --nproc 1")
     else:
         raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    return model, _adamw(model, ctx)
+
+
+def _adamw(model: nn.Module, ctx: RankContext) -> torch.optim.Optimizer:
     # foreach=None is torch's default: the per-tensor loop on CPU, the foreach kernels on CUDA.
     foreach = True if ctx.opts.foreach else None
-    return model, torch.optim.AdamW(model.parameters(), lr=ctx.opts.lr, foreach=foreach)
+    return torch.optim.AdamW(model.parameters(), lr=ctx.opts.lr, foreach=foreach)
 
 
 class OpCounter:
@@ -413,6 +453,8 @@ def attach_counter(impl: str, model: nn.Module) -> Callable[[], dict[str, dict[s
     which do exactly what the defaults do. DDP: a comm hook that counts each bucket, then runs
     torch's default ``allreduce_hook``. Only the step that reads the counts uses them.
     """
+    if impl in COMPILED:
+        return lambda: {"bytes": {}, "calls": {}}
     if impl in OURS:
         comm = fs.CountingComm(NoGatherComm() if impl == "ours-nogather" else fs.TorchComm())
         model.set_comm(comm)  # type: ignore[operator]
@@ -556,7 +598,8 @@ def _warm_device(ctx: RankContext) -> None:
 
 
 def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
-    """Peak memory over one steady-state step and the bytes per collective of the next.
+    """Peak memory over one steady-state step and the bytes per collective of the next, and
+    the time of the instance's first step (the compiled implementations compile in it).
 
     A fresh instance, built, warmed up (2 steps: AdamW allocates its state, DDP rebuilds its
     buckets), measured and torn down inside this call, so the timed instances are untouched
@@ -578,7 +621,11 @@ def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
         base = torch.cuda.memory_allocated(ctx.device)
     model, optim = build(impl, ctx)
     for k in range(2):
+        start = time.perf_counter()
         train_step(model, optim, ctx.batches[k])
+        if k == 0:  # the compiled implementations compile here, their first time in the run
+            ctx.sync()
+            first_step = time.perf_counter() - start
     ctx.sync()
     if not on_cpu:
         state = torch.cuda.memory_allocated(ctx.device) - base
@@ -596,7 +643,7 @@ def measure_instance(impl: str, ctx: RankContext) -> dict[str, Any]:
     train_step(model, optim, ctx.batches[3])
     ctx.sync()
     counts = read_counts()
-    return {"state_bytes": state, "peak_bytes": peak, **counts}
+    return {"state_bytes": state, "peak_bytes": peak, "first_step_s": first_step, **counts}
 
 
 def time_interleaved(
@@ -872,6 +919,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
                 "all": ms,
             },
             "phase_ms_median": phase_ms,
+            "first_step_s": max(r["measured"][impl]["first_step_s"] for r in ranks),
             "peak_bytes_per_rank": [m["peak_bytes"] for m in measured],
             "state_bytes_per_rank": [m["state_bytes"] for m in measured],
             "comm_bytes_per_step": comm_bytes,
@@ -883,7 +931,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
             "max_abs_loss_diff_vs_ref": max(abs(a - b) for a, b in zip(losses, ref, strict=True)),
             "losses": losses,
         }
-        if impl in ZERO3:
+        if impl in ZERO3 and impl not in COMPILED:
             ag_theory = theory["all_gather_int8" if impl == "ours-int8" else "all_gather"]
             rec["measured_over_theory"] = {
                 "all_gather": _over(comm_bytes.get("all_gather", 0), ag_theory),
@@ -898,6 +946,8 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
             continue
         ours = impls[mine]
         others = ("fsdp2", "ddp", "plain") if mine == "ours" else ("ours", "fsdp2", "ddp")
+        if mine == "ours-graph":
+            others = ("ours", "fsdp2-compiled", "ddp-compiled")
         for other in others:
             if other in impls:
                 ratios[f"{mine}/{other}"] = {
@@ -906,6 +956,19 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
                     "peak_memory_max_rank": max(ours["peak_bytes_per_rank"])
                     / max(impls[other]["peak_bytes_per_rank"]),
                 }
+    pairs = [
+        ("ours-graph", "ours"),
+        ("ours-graph", "fsdp2-compiled"),
+        ("ours-graph", "ddp-compiled"),
+    ]
+    for mine, other in pairs:
+        if mine in impls and other in impls and f"{mine}/{other}" not in ratios:
+            ratios[f"{mine}/{other}"] = {
+                "step_time_median": impls[mine]["step_ms"]["median"]
+                / impls[other]["step_ms"]["median"],
+                "peak_memory_max_rank": max(impls[mine]["peak_bytes_per_rank"])
+                / max(impls[other]["peak_bytes_per_rank"]),
+            }
     return {
         "config": {**asdict(opts), "impls": list(opts.impls)},
         "machine": {
@@ -975,7 +1038,7 @@ def print_report(s: dict[str, Any]) -> None:
     )
     for impl in ZERO3:
         r = s["impls"].get(impl)
-        if r is not None:
+        if r is not None and "measured_over_theory" in r:
             ratio = r["measured_over_theory"]
             calls = r["comm_calls_per_step"]
             print(
@@ -991,6 +1054,13 @@ def print_report(s: dict[str, Any]) -> None:
         )
         + "  (forward / backward / optimizer)"
     )
+    compiled = [impl for impl in s["impls"] if impl in COMPILED]
+    if compiled:
+        print(
+            f"first step (compilation, {cfg['compile_backend']}), slowest rank: "
+            + ", ".join(f"{LABELS[i]} {s['impls'][i]['first_step_s']:.1f} s" for i in compiled)
+            + "; their collectives run inside compiled code: bytes not counted"
+        )
     for name, r in s["ratios"].items():
         print(
             f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, "
@@ -1046,6 +1116,11 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         help="auto: NCCL on cuda (a GPU per rank), gloo on cpu; gloo on cuda lets ranks share "
         "a GPU and stages every collective through host memory",
     )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of ours-graph, fsdp2-compiled, ddp-compiled (default inductor)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
@@ -1093,6 +1168,7 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         lr=args.lr,
         foreach=args.foreach,
         block_size=args.block_size,
+        compile_backend=args.compile_backend,
     )
     return opts, args.json_out
 

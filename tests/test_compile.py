@@ -7,7 +7,9 @@ The orders (each on a 2-block Llama-style model, W = 2 gloo ranks, 3 AdamW steps
 - ``forward``: ``block.forward = torch.compile(block.forward)`` after sharding;
 - ``tune_before`` / ``tune_after``: torchtune's ``block.compile()`` in place, before or after
   ``fully_shard(block)``; ``tune_after_fullgraph`` with ``fullgraph=True``;
-- ``whole``: ``torch.compile(model)`` of the whole sharded model (graph breaks allowed).
+- ``whole``: ``torch.compile(model)`` of the whole sharded model (graph breaks allowed; ours
+  has none: the graph path of ``fully_shard.graph`` traces it as one frame, while torch's
+  breaks at every hook).
 
 Each trains against an unsharded *eager* replica that sees the global batch (losses every
 step, final full parameters) and against torch's ``fully_shard`` compiled the same way (losses,
@@ -129,8 +131,14 @@ def test_compile_order_trains_like_eager_and_like_torch(order: str, backend: str
         first = ours["frames"][0]
         assert first >= 1
         assert ours["frames"] == [first] * STEPS
-        assert ours["frames"] == theirs["frames"]
-        assert ours["breaks"] == theirs["breaks"]
+        if order == "whole":
+            # Ours traces the whole sharded model as one frame (the graph path, graph.py);
+            # torch's breaks the graph at every hook.
+            assert ours["frames"] == [1] * STEPS and ours["breaks"] == 0
+            assert theirs["frames"][0] > 1
+        else:
+            assert ours["frames"] == theirs["frames"]
+            assert ours["breaks"] == theirs["breaks"]
     # Each rank's loss is its half of the batch; their mean is the reference's.
     for step in range(STEPS):
         mean = sum(r["ours"]["losses"][step] for r in got) / WORLD

@@ -57,6 +57,10 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "pretrained.py": (["--dir", "{tmp}"], r"outputs and one AdamW step match the unsharded model"),
     # aot_eager: inductor needs ~25 s of C++ compilation per process here (tests/test_compile.py)
     "compile.py": (["--backend", "aot_eager"], r"compiled after each step: \[(\d+), \1, \1\]"),
+    "compile_whole.py": (
+        ["--backend", "aot_eager"],
+        r"backward graph: 2 all_gather_into_tensor \(torch.float32\), 3 reduce_scatter_tensor",
+    ),
     "hf_llama.py": ([], r"step 2: loss \d"),
     "peft_lora.py": ([], r"step 2: loss \d\S*, \d+ of \d+ parameters trainable"),
     "float8.py": ([], r"step 2: loss \d\S*, 1\.00 bytes per gathered element"),

@@ -373,3 +373,67 @@ def torch_newton_schulz() -> Callable[..., torch.Tensor] | None:
         return None
     fn: Callable[..., torch.Tensor] = _zeropower_via_newtonschulz
     return fn
+
+
+# -- the graph path's (fully_shard.graph) --------------------------------------------------
+# Functional collectives as the ops dynamo and AOTAutograd trace: ``_c10d_functional``'s
+# ops (present with these names and signatures since torch 2.2; run on 2.13.0) and their
+# wait. The public wrappers in torch.distributed._functional_collectives changed names in
+# 2.13 (all_gather_tensor -> all_gather_single) and warn under the old ones; the ops did not.
+
+
+def funcol_all_gather(t: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """All-gather ``t`` (1-D) over the named group: ``(world * numel,)``, rank by rank."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_gather_into_tensor(t, world, group_name))  # type: ignore[no-any-return]
+
+
+def funcol_reduce_scatter(t: torch.Tensor, op: str, world: int, group_name: str) -> torch.Tensor:
+    """Reduce-scatter ``t`` (1-D, ``world`` chunks) with ``op`` ("sum" / "avg")."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.reduce_scatter_tensor(t, op, world, group_name))  # type: ignore[no-any-return]
+
+
+def funcol_all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """All-reduce ``t`` over the named group with ``op`` ("sum" / "avg")."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(t, op, group_name))  # type: ignore[no-any-return]
+
+
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo runs ``fn`` for real when it traces a call and bakes the result in as a constant.
+
+    The graph path's one use: the root's lazy init (Python bookkeeping and eager tensor
+    allocation) must run once before the traced forward, and fullgraph allows no break to run
+    it in. ``torch._dynamo.assume_constant_result`` (2.13.0; present since 2.0).
+    """
+    return torch._dynamo.assume_constant_result(fn)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def forward_hooks(
+    module: torch.nn.Module,
+) -> tuple[list[tuple[int, Callable[..., Any], bool]], list[tuple[int, Callable[..., Any], bool]]]:
+    """``(id, hook, with_kwargs)`` of ``module``'s forward pre-hooks and forward hooks, in the
+    order ``nn.Module.__call__`` runs them.
+
+    The graph path calls a sharded module's hooks itself (its own replaced by their traceable
+    side); nn.Module keeps them in private dicts (2.13.0; the same names since 2.0).
+    """
+    pre = [
+        (i, h, i in module._forward_pre_hooks_with_kwargs)
+        for i, h in module._forward_pre_hooks.items()
+    ]
+    post = [
+        (i, h, i in module._forward_hooks_with_kwargs) for i, h in module._forward_hooks.items()
+    ]
+    return pre, post
+
+
+def has_backward_or_global_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has hooks the graph path does not call: backward hooks on the module
+    or any global module hook (nn.Module's private state, 2.13.0)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(
+        module._backward_hooks or module._backward_pre_hooks or nn_module._has_any_global_hook()  # type: ignore[no-untyped-call]
+    )

@@ -199,6 +199,9 @@ class ParamGroup:
         self._pending_reduce: _PendingReduce | None = None
         # Kept across backward passes (like gradients with sync off), not per iteration.
         self._partial_reduce: _PartialReduce | None = None
+        # The graph path's gradient accumulator (fully_shard.graph): a leaf whose .grad sums
+        # the packed unreduced gradients of compiled backward passes with gradient sync off.
+        self.graph_grads: torch.Tensor | None = None
         self._initialized = False
         # (id, version) of each sharded parameter when the gathered copy (and so any
         # post-forward piece cut from it) was taken.

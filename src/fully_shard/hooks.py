@@ -208,6 +208,8 @@ class RootContext:
     post_forward_order: list[FSDPState] = field(default_factory=list)  # by forward end
     order_recorded: bool = False
     forward_iter: int = 0  # root forwards started so far
+    # The graph path's record of the root forward being traced (graph.GraphRun), else None.
+    graph_run: Any = None
 
     @property
     def in_backward(self) -> bool:

@@ -26,6 +26,7 @@ from .errors import (
     FullyShardTypeError,
     FullyShardValueError,
 )
+from .graph import graph_call, takes_graph_path
 from .group import ParamGroup
 from .hooks import FSDPState
 
@@ -77,6 +78,17 @@ class FSDPModule(nn.Module):
         module = original.__new__(original, *args, **kwargs)
         original.__init__(module, *args, **kwargs)
         return module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Where the two runtimes part. Inside a frame dynamo traces from the root down
+        # (torch.compile(model)), the graph path (graph.py): the whole step in one graph.
+        # Everywhere else nn.Module.__call__ with the eager hooks, as before; a block compiled
+        # on its own still runs them outside its compiled code. A frame of ours also makes
+        # torch.compile(model) trace the root's hooks in the same frame as its forward
+        # (dynamo would otherwise start inside torch.nn, each hook a frame of its own).
+        if torch.compiler.is_compiling() and takes_graph_path(self._fsdp_state):
+            return graph_call(self, self._fsdp_state, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FSDPModule:
         # A copy would share the group's hooks, buffers and process groups with the original

@@ -1,0 +1,588 @@
+"""The graph path: the same state run by operations ``torch.compile`` can trace.
+
+``hooks.py`` runs a ``fully_shard`` state from Python: each hook issues its collectives and
+swaps tensors in and out of the modules, and dynamo is kept out of it. This module runs the
+same state as traceable operations, so that ``torch.compile(model, fullgraph=True)`` of a
+sharded model captures the whole step, collectives included:
+
+- gather: per group, each parameter's local shard, cast to the compute dtype, padded to its
+  layout's ``chunk`` rows, packed into one flat buffer; one functional all-gather; the output
+  split rank by rank into each parameter's full tensor (:class:`_GatherGroup`).
+- its backward is the reduction: the full gradients packed rank by rank in the reduce dtype,
+  one reduce-scatter (and the all-reduce over the replicas for HSDP), with the divisions of
+  :func:`~fully_shard.collectives.plan_reduction`; each rank's rows flow on to the sharded
+  DTensor's ``.grad`` through ``to_local()``, where the eager engine puts them too.
+- reshard after forward: the gather is recomputed in backward (a checkpointed region around
+  it), so no gathered parameter is kept from forward to backward; without resharding the
+  gathered tensors are saved like any activation.
+
+The module sees the gathered tensors through its instance ``__dict__``: an entry there shadows
+``nn.Module.__getattr__``'s lookup in ``_parameters``, so forward computes with the gathered
+tensor while ``_parameters``, ``state_dict()``, the optimizer and every ``FSDPModule`` method
+keep the sharded DTensors. The post-forward of the module whose call started the traced
+forward (the root's) removes the entries again.
+
+Where the paths part: ``FSDPModule.__call__``. When dynamo traces it (``torch.compile(model)``,
+or a sharded block compiled on its own after ``fully_shard``) it calls :func:`graph_call`,
+which runs the module's forward hooks with ``fully_shard``'s replaced by
+:func:`graph_pre_forward` / :func:`graph_post_forward`; everywhere else ``nn.Module.__call__``
+runs the eager hooks, unchanged. The per-block orders that compile ``_call_impl`` or a module
+before sharding never trace that call, so they keep the eager hooks.
+
+Python facts (the options, the layouts, the process groups) are read once, when dynamo
+traces, by functions it calls as constants (:func:`_plan_for`); dynamo guards on the options
+they depend on, so ``set_requires_gradient_sync`` and the other setters recompile once per
+value. An option the graph cannot hold raises there (:func:`check_traceable`).
+
+Example:
+    >>> for block in model.layers:  # doctest: +SKIP
+    ...     fully_shard(block)
+    >>> fully_shard(model)  # doctest: +SKIP
+    >>> compiled = torch.compile(model, fullgraph=True)  # doctest: +SKIP
+    >>> compiled(tokens).sum().backward()  # collectives in the graphs  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from ._compat import (
+    assume_constant_result,
+    forward_hooks,
+    funcol_all_gather,
+    funcol_all_reduce,
+    funcol_reduce_scatter,
+    has_backward_or_global_hooks,
+)
+
+# What the graph path takes from the eager engine's communication module, in one place (the
+# graph path packs its own buffers, out of place, so that they trace as pure operations).
+from .collectives import Reduction, TorchComm, plan_reduction
+from .errors import FullyShardNotImplementedError, FullyShardStateError
+from .layout import ShardLayout
+from .observer import JOB_WIDE, ProfilerLabels
+from .policies import OffloadPolicy
+from .quantize import PLAIN
+from .storage import DenseStorage, WholeShard
+
+if TYPE_CHECKING:
+    from .group import ParamGroup
+    from .hooks import FSDPState
+
+
+# -- the plan of one group's gather, read when dynamo traces ---------------------------------
+
+
+@dataclass(frozen=True)
+class _ParamPlan:
+    """One parameter's split, as plain numbers (dynamo reads fields, not properties)."""
+
+    dim: int
+    world: int
+    chunk: int
+    local_rows: int
+    size: tuple[int, ...]  # the unpadded full shape
+    padded_shard: tuple[int, ...]
+    padded_numel: int
+    compute_dtype: torch.dtype
+    orig_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, layout: ShardLayout, compute: torch.dtype, orig: torch.dtype) -> _ParamPlan:
+        return cls(
+            layout.dim,
+            layout.world,
+            layout.chunk,
+            layout.local_rows,
+            tuple(layout.size),
+            tuple(layout.padded_shard_size),
+            layout.padded_numel,
+            compute,
+            orig,
+        )
+
+
+@dataclass(frozen=True)
+class _GatherPlan:
+    """What one group's gather and its backward need: constants of the traced graph."""
+
+    label: str
+    params: tuple[_ParamPlan, ...]
+    world: int
+    shard_group: str  # process group names: what functional collectives take
+    replicate_group: str | None
+    replicate_size: int
+    wire_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reduce_scatter: Reduction
+    all_reduce: Reduction
+    post_divide: float | None
+    native_avg: bool  # the backend has AVG (NCCL); gloo sums and divides
+    sync: bool  # requires_gradient_sync
+    reduce_unused: bool  # reduce_scatter_unused_params
+
+    numels: tuple[int, ...]
+
+
+def _padded(t: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
+    """``t`` (this rank's rows) with zero rows appended up to ``p.chunk``."""
+    missing = p.chunk - p.local_rows
+    if missing == 0:
+        return t
+    size = list(t.shape)
+    size[p.dim] = missing
+    return torch.cat([t, t.new_zeros(size)], dim=p.dim)
+
+
+def _unranked(block: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
+    """A parameter's ``(W, padded_numel)`` block of the gathered buffer as its full tensor."""
+    d, size = p.dim, p.size
+    ranked = block.view(p.world, *p.padded_shard)  # (W, *size[:d], chunk, *size[d+1:])
+    if d != 0:
+        ranked = ranked.movedim(0, d)
+    full = ranked.reshape(*size[:d], p.world * p.chunk, *size[d + 1 :])
+    return full if p.world * p.chunk == size[d] else full.narrow(d, 0, size[d])
+
+
+def _ranked(grad: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
+    """A full gradient as ``(W, padded_numel)``: row r holds rank r's rows, zero-padded."""
+    d, world, chunk = p.dim, p.world, p.chunk
+    missing = world * chunk - grad.size(d)
+    if missing:
+        size = list(grad.shape)
+        size[d] = missing
+        grad = torch.cat([grad, grad.new_zeros(size)], dim=d)
+    size = list(grad.shape)
+    ranked = grad.reshape(*size[:d], world, chunk, *size[d + 1 :])
+    if d != 0:
+        ranked = ranked.movedim(d, 0)
+    return ranked.reshape(world, -1)
+
+
+def _reduce(
+    t: torch.Tensor, reduction: Reduction, group: str, size: int, native_avg: bool, op: str
+) -> torch.Tensor:
+    """One gradient collective (``op``: reduce-scatter or all-reduce) with its divisions."""
+    if reduction.pre_divide is not None:
+        t = t / reduction.pre_divide
+    if reduction.factor is not None:  # PREMUL_SUM: scale every input, then sum
+        t = t * (1.0 / reduction.factor)
+    name = "avg" if reduction.op == "avg" and native_avg else "sum"
+    out = (
+        funcol_reduce_scatter(t, name, size, group)
+        if op == "rs"
+        else funcol_all_reduce(t, name, group)
+    )
+    after = reduction.post_divide or 1.0
+    if reduction.op == "avg" and not native_avg:
+        after *= size
+    return out if after == 1.0 else out / after
+
+
+def _pack_grads(
+    plan: _GatherPlan, grads: tuple[torch.Tensor | None, ...], members: list[int]
+) -> torch.Tensor:
+    """The full gradients of ``members`` as one ``(W * total,)`` buffer, rank by rank, in the
+    reduce dtype (zeros for a member without a gradient), as the eager engine packs them."""
+    cols = []
+    for i in members:
+        g, p = grads[i], plan.params[i]
+        if g is None:
+            cols.append(torch.zeros(p.world, p.padded_numel, dtype=plan.reduce_dtype))
+        else:
+            cols.append(_ranked(g.to(plan.reduce_dtype), p))
+    return (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
+
+
+def _reduce_flat(plan: _GatherPlan, flat: torch.Tensor) -> torch.Tensor:
+    """Reduce-scatter, the HSDP all-reduce, the last division: this rank's ``(total,)``."""
+    if plan.world > 1:
+        flat = _reduce(
+            flat, plan.reduce_scatter, plan.shard_group, plan.world, plan.native_avg, "rs"
+        )
+    else:
+        divisor = plan.reduce_scatter.divisor(group_size=1)
+        flat = flat if divisor == 1 else flat / divisor
+    if plan.replicate_group is not None:
+        flat = _reduce(
+            flat, plan.all_reduce, plan.replicate_group, plan.replicate_size, plan.native_avg, "ar"
+        )
+    if plan.post_divide is not None and plan.post_divide != 1:
+        flat = flat / plan.post_divide
+    return flat
+
+
+class _GatherGroup(torch.autograd.Function):
+    """Local shards in, full tensors out, in one all-gather; backward: one reduce-scatter.
+
+    ``extra``: with gradient sync off, the group's accumulator leaf, whose gradient becomes
+    the packed unreduced gradients (autograd sums them over backward passes); with sync on,
+    what such passes kept (added before the reduction), or ``None``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, plan: _GatherPlan, extra: torch.Tensor | None, *shards: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.plan = plan
+        ctx.kept = extra is not None and plan.sync
+        if ctx.kept:
+            ctx.save_for_backward(extra)
+        parts = [
+            _padded(s.to(p.compute_dtype), p).reshape(-1)
+            for s, p in zip(shards, plan.params, strict=True)
+        ]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if plan.world > 1:
+            flat = funcol_all_gather(flat, plan.world, plan.shard_group)
+        blocks = torch.split(flat.view(plan.world, -1), list(plan.numels), dim=1)
+        return tuple(_unranked(b, p) for b, p in zip(blocks, plan.params, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: _GatherPlan = ctx.plan
+        none: list[torch.Tensor | None] = [None] * len(grads)
+        trainable = [i for i in range(len(grads)) if ctx.needs_input_grad[i + 2]]
+        if not plan.sync:  # kept unreduced, in the accumulator's gradient
+            return (None, _pack_grads(plan, grads, trainable), *none)
+        if ctx.kept or plan.reduce_unused:
+            members = trainable  # the layout the kept buffer has: every trainable parameter
+        else:
+            members = [i for i in trainable if grads[i] is not None]
+        if not members:
+            return (None, None, *none)
+        flat = _pack_grads(plan, grads, members)
+        if ctx.kept:
+            (kept,) = ctx.saved_tensors
+            flat = flat + kept
+        flat = _reduce_flat(plan, flat)
+        pieces = torch.split(flat, [plan.params[i].padded_numel for i in members])
+        out = list(none)
+        for i, piece in zip(members, pieces, strict=True):
+            p = plan.params[i]
+            rows = piece.view(p.padded_shard).narrow(p.dim, 0, p.local_rows)
+            out[i] = rows.to(p.orig_dtype)
+        return (None, None, *out)
+
+
+# -- the hooks' graph side ---------------------------------------------------------------------
+
+
+@dataclass
+class GraphRun:
+    """One traced forward: which states are gathered and what the modules show."""
+
+    owner: int  # id() of the state whose module call started it (the root, or a block
+    # compiled on its own) and whose post-forward ends it
+    gathered: set[int]  # id() of the states whose groups were gathered in this forward
+    shown: list[tuple[nn.Module, str]]  # (module, name) entries put in module.__dict__
+
+
+def _refuse(group: ParamGroup, what: str, instead: str) -> None:
+    raise FullyShardNotImplementedError(
+        f"torch.compile of the whole sharded model (the graph path) cannot trace group "
+        f"{group.label!r}: {what}. {instead}"
+    )
+
+
+_PER_BLOCK = (
+    "Compile each block instead (torch.compile(block) or block.compile() per fully_shard "
+    "block, the root run eagerly): the hooks then run outside the compiled code"
+)
+
+
+def check_traceable(group: ParamGroup) -> None:
+    """Raise, naming the option, if ``group`` uses something the graph path cannot trace."""
+    config = group.config
+    if type(config.offload_policy) is not OffloadPolicy:
+        _refuse(group, "CPU offload moves shards between host and device in Python", _PER_BLOCK)
+    if config.post_forward is not None:
+        _refuse(
+            group,
+            "reshard_after_forward=<int> keeps pieces between forward and backward",
+            "Use reshard_after_forward=True or False, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+        )
+    if config.all_gather_comm is not None or config.reduce_scatter_comm is not None:
+        _refuse(
+            group, "set_custom_all_gather / set_custom_reduce_scatter are Python calls", _PER_BLOCK
+        )
+    if config.all_reduce_hook is not None:
+        _refuse(
+            group, "the all-reduce hook is a Python callback on the gradient buffer", _PER_BLOCK
+        )
+    if (
+        config.requires_gradient_sync
+        and not config.requires_all_reduce
+        and group.info.replicate_group is not None
+    ):
+        _refuse(
+            group,
+            "set_requires_all_reduce(False) keeps partial sums between backward passes",
+            _PER_BLOCK,
+        )
+    if not isinstance(group.comm, TorchComm):
+        _refuse(group, "set_comm() replaced the collectives with Python objects", _PER_BLOCK)
+    if JOB_WIDE.observers or any(not isinstance(o, ProfilerLabels) for o in group.observers):
+        _refuse(
+            group,
+            "a tool watches its collectives (fully_shard.debug's checker, a trace recorder)",
+            "Turn the tool off for the compiled run, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+        )
+    quant = config.quantization_policy
+    for p in group.params:
+        if p.gather_format(quant) is not PLAIN:
+            _refuse(group, f"{p.fqn!r} all-gathers int8 (QuantizationPolicy)", _PER_BLOCK)
+        if not isinstance(p.unsharded_side, (DenseStorage, WholeShard)):
+            _refuse(group, f"{p.fqn!r} is a tensor subclass with its own all-gather", _PER_BLOCK)
+        if p.tp is not None:
+            _refuse(group, f"{p.fqn!r} is also tensor-parallel (a 2-D DTensor)", _PER_BLOCK)
+        if p.local_shard.device.type == "meta":
+            raise FullyShardStateError(
+                f"parameter {p.fqn!r} is still on the meta device; call "
+                "module.to_empty(device=...) and initialise the parameters first"
+            )
+    dtypes = {config.mp_policy.compute_dtype(p.orig_dtype) for p in group.params}
+    if len(dtypes) > 1:
+        _refuse(
+            group,
+            f"its parameters compute in several dtypes ({sorted(map(str, dtypes))})",
+            "Give them one dtype (MixedPrecisionPolicy(param_dtype=...)), or "
+            + _PER_BLOCK[0].lower()
+            + _PER_BLOCK[1:],
+        )
+
+
+# The GroupConfig fields the graph path reads. Passed to _plan_for one by one so that dynamo
+# guards on each value (a bool by value, an object by identity): set_requires_gradient_sync
+# replaces the config object, and a guard on that identity would recompile at every flip
+# instead of once per value.
+_CONFIG_FIELDS = (
+    "requires_gradient_sync",
+    "requires_all_reduce",
+    "reduce_scatter_unused_params",
+    "gradient_divide_factor",
+    "force_sum_reduction_for_comms",
+    "mp_policy",
+    "quantization_policy",
+    "offload_policy",
+    "post_forward",
+    "all_gather_comm",
+    "reduce_scatter_comm",
+    "all_reduce_hook",
+)
+
+
+@assume_constant_result
+def _plan_for(group: ParamGroup, *guarded: Any) -> _GatherPlan:
+    """:func:`gather_plan`, run for real when dynamo traces and kept as a constant.
+
+    ``guarded`` (the config fields, the comm, the observer counts) is passed only so that
+    dynamo guards on it: a ``set_*`` call recompiles with the new value, a tool attached
+    later is refused at that recompile.
+    """
+    check_traceable(group)
+    plan = gather_plan(group)
+    if not plan.sync:
+        _ensure_accumulator(group, plan)
+    return plan
+
+
+def _ensure_accumulator(group: ParamGroup, plan: _GatherPlan) -> None:
+    """The leaf whose gradient keeps the packed gradients of unsynced compiled backwards."""
+    numel = plan.world * sum(
+        p.padded_numel for p, sp in zip(plan.params, group.params, strict=True) if sp.requires_grad
+    )
+    acc = group.graph_grads
+    if acc is None or acc.numel() != numel or acc.dtype != plan.reduce_dtype:
+        if acc is not None and acc.grad is not None:
+            raise FullyShardStateError(
+                f"group {group.label!r}: the trainable parameters changed while compiled "
+                "backward passes with gradient sync off had kept gradients; run a backward "
+                "with sync on first"
+            )
+        group.graph_grads = torch.zeros(
+            numel, dtype=plan.reduce_dtype, device=group.info.device, requires_grad=True
+        )
+
+
+def gather_plan(group: ParamGroup) -> _GatherPlan:
+    """The constants of ``group``'s gather and reduction, read now."""
+    info, config = group.info, group.config
+    mp = config.mp_policy  # the group's, asked now for each shard's dtype now
+    params = tuple(
+        _ParamPlan.of(p.layout, mp.compute_dtype(p.orig_dtype), p.orig_dtype) for p in group.params
+    )
+    reduce_dtype = mp.reduce_dtype_for(group.params[0].orig_dtype)
+    plan = plan_reduction(
+        reduce_dtype,
+        info.shard_size,
+        info.replicate_size,
+        factor=config.gradient_divide_factor,
+        force_sum=config.force_sum_reduction_for_comms,
+        device_type=info.device.type,
+    )
+    replicate = info.replicate_group
+    native_avg = dist.get_backend(info.shard_group) != dist.Backend.GLOO
+    return _GatherPlan(
+        label=group.label,
+        params=params,
+        world=info.shard_size,
+        shard_group=info.shard_group.group_name,
+        replicate_group=None if replicate is None else replicate.group_name,
+        replicate_size=info.replicate_size,
+        wire_dtype=params[0].compute_dtype,
+        reduce_dtype=reduce_dtype,
+        reduce_scatter=plan.reduce_scatter,
+        all_reduce=plan.all_reduce,
+        post_divide=plan.post_divide,
+        native_avg=native_avg,
+        sync=config.requires_gradient_sync,
+        reduce_unused=config.reduce_scatter_unused_params,
+        numels=tuple(p.padded_numel for p in params),
+    )
+
+
+def _local(p: Any) -> torch.Tensor:
+    sharded = p.sharded_param
+    return sharded.to_local() if isinstance(sharded, DTensor) else sharded
+
+
+def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
+    config = group.config
+    plan = _plan_for(
+        group,
+        *[getattr(config, name) for name in _CONFIG_FIELDS],
+        group.comm,
+        len(group.observers),
+        len(JOB_WIDE.observers),
+    )
+    shards = [_local(p) for p in group.params]
+    acc = group.graph_grads
+    extra: torch.Tensor | None = None
+    if not plan.sync:
+        extra = acc
+    elif acc is not None and acc.grad is not None:
+        # The sums of the unsynced passes go into this reduction; the accumulator starts over.
+        extra = acc.grad
+        acc.grad = None
+    gather = functools.partial(_GatherGroup.apply, plan)
+    if not reshard:
+        return gather(extra, *shards)  # type: ignore[no-any-return]
+    # Recomputed in backward (a non-reentrant checkpoint of the gather alone, which dynamo
+    # and AOTAutograd turn into recompute tags): no gathered parameter is kept from forward
+    # to backward, and the backward graph all-gathers again.
+    return checkpoint(gather, extra, *shards, use_reentrant=False, preserve_rng_state=False)  # type: ignore[no-any-return]
+
+
+def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
+    for group in state.groups:
+        if not group.params:
+            continue
+        fulls = _gather(group, reshard)
+        for p, full in zip(group.params, fulls, strict=True):
+            for module, name in p.slots:
+                module.__dict__[name] = full
+                run.shown.append((module, name))
+    run.gathered.add(id(state))
+
+
+def graph_pre_forward(
+    state: FSDPState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The forward pre-hook inside a traced root forward: gather (once per forward), cast."""
+    ctx = state.root
+    if ctx is None:
+        raise FullyShardStateError("graph path without a root (internal error)")
+    run = ctx.graph_run
+    if run is None:  # the outermost sharded module of the traced frame starts the run
+        run = GraphRun(id(state), set(), [])
+        ctx.graph_run = run
+    if id(state) not in run.gathered:
+        _show(run, state, state.reshard_after_forward)
+    return state._cast_inputs(args, kwargs)
+
+
+def graph_post_forward(state: FSDPState, module: nn.Module, output: Any) -> Any:
+    """The forward post-hook: the run's owner ends it and shows the shards again."""
+    ctx = state.root
+    if ctx is not None and ctx.graph_run is not None and ctx.graph_run.owner == id(state):
+        for mod, name in ctx.graph_run.shown:
+            mod.__dict__.pop(name, None)
+        ctx.graph_run = None
+    return state._cast_output(output)
+
+
+@assume_constant_result
+def _initialized(state: FSDPState) -> bool:
+    """Run the root's lazy init eagerly, once, when dynamo first traces (a constant)."""
+    state.ensure_initialized()
+    return True
+
+
+def takes_graph_path(state: FSDPState) -> bool:
+    """Inside a traced frame: whether this state's module call runs on the graph path.
+
+    Always, once the root exists: a sharded module's call is traced only when the whole model
+    is compiled (``torch.compile(model)``: the root's call, and every block's inside it) or
+    when a sharded block is compiled on its own (``torch.compile(block)`` after
+    ``fully_shard``, its root eager): then the block's own gather and reduction are in its
+    graph. The other per-block orders (``block.compile()``, compiling before sharding) never
+    trace this call and keep the eager hooks.
+    """
+    _initialized(state)
+    return state.root is not None
+
+
+@assume_constant_result
+def _is_ours(state: FSDPState, hook_id: int) -> bool:
+    """Whether ``hook_id`` is a forward hook ``fully_shard`` installed (handles are not
+    traceable, so the question is answered outside the trace, once)."""
+    return any(handle.id == hook_id for handle in state._module_hooks)
+
+
+def graph_call(
+    module: nn.Module, state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``module(*args, **kwargs)`` inside a traced root forward: its forward hooks in order,
+    ``fully_shard``'s replaced by their graph side, then its forward.
+
+    ``FSDPModule.__call__`` calls this instead of ``nn.Module.__call__`` there, because the
+    eager hooks must not be traced at all (a ``torch.compiler.disable``d call breaks the graph).
+    """
+    if has_backward_or_global_hooks(module):
+        raise FullyShardNotImplementedError(
+            f"torch.compile of the whole sharded model cannot run {type(module).__name__}: it "
+            "has backward hooks or global module hooks, which the graph path does not call. "
+            "Remove them, or compile each block instead (torch.compile(block) per fully_shard "
+            "block)"
+        )
+    pre_hooks, post_hooks = forward_hooks(module)
+    for hook_id, hook, with_kwargs in pre_hooks:
+        if _is_ours(state, hook_id):
+            args, kwargs = graph_pre_forward(state, module, args, kwargs)
+        elif with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    output = module.forward(*args, **kwargs)
+    for hook_id, hook, with_kwargs in post_hooks:
+        if _is_ours(state, hook_id):
+            output = graph_post_forward(state, module, output)
+        else:
+            result = (
+                hook(module, args, kwargs, output) if with_kwargs else hook(module, args, output)
+            )
+            output = output if result is None else result
+    return output

@@ -1,0 +1,363 @@
+"""The graph path: ``torch.compile(model, fullgraph=True)`` of a model sharded block by block.
+
+Each case trains the compiled sharded model beside an unsharded replica on the global batch
+(fp32: exact to 1e-5) or beside our eager engine (mixed precision), on a small model that
+holds every shape of parameter the path has to handle: an embedding tied to the output head
+(one tensor in two modules of the root's group), a frozen parameter beside trainable ones,
+row counts that do not divide by the world size (padding), blocks with activation
+checkpointing inside. The captured forward and backward graphs are inspected too.
+
+The backend is ``aot_eager``'s (AOTAutograd with the min-cut partitioner, no code generation)
+with hooks that keep the graphs; ``nox -s soak`` adds ``inductor``
+(``FULLY_SHARD_COMPILE_BACKENDS``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fully_shard.errors import FullyShardNotImplementedError
+from harness import device_mesh, mesh_1d, run_distributed
+from parity import loss_fn
+
+STEPS = 3
+BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
+_OPS = torch.ops._c10d_functional
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, checkpointed: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)  # 7 rows: uneven over 2 or 4 ranks
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.checkpointed = checkpointed
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(torch.tanh(self.up(x)))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return x + checkpoint(self._mlp, x, use_reentrant=False)  # type: ignore[no-any-return]
+        return x + self._mlp(x)
+
+
+class _Net(nn.Module):
+    """Tokens (B, S) -> logits (B, S, vocab); the head's weight is the embedding's."""
+
+    def __init__(self, checkpointed: bool, vocab: int = 13, dim: int = 8, hidden: int = 7) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_Block(dim, hidden, checkpointed) for _ in range(2))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(h * self.scale)
+        return out
+
+
+def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = torch.randint(0, 13, (rows, 7), generator=torch.Generator().manual_seed(step))
+    return seq[:, :-1], seq[:, 1:]
+
+
+class _Graphs:
+    """A backend that compiles as ``backend`` and keeps every forward / backward graph."""
+
+    def __init__(self, backend: str) -> None:
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.fw: list[torch.fx.GraphModule] = []
+        self.bw: list[torch.fx.GraphModule] = []
+        self.frames = 0
+
+        def keep(into: list[torch.fx.GraphModule]) -> Any:
+            def compiler(gm: torch.fx.GraphModule, example: Any) -> Any:
+                into.append(gm)
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        self._aot = aot_autograd(
+            fw_compiler=keep(self.fw),
+            bw_compiler=keep(self.bw),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+        self._backend = backend
+
+    def __call__(self, gm: torch.fx.GraphModule, example: Any) -> Any:
+        self.frames += 1
+        if self._backend == "inductor":
+            return torch._inductor.compile(gm, example)  # type: ignore[attr-defined]
+        return self._aot(gm, example)
+
+
+def _collectives(gm: torch.fx.GraphModule) -> list[tuple[str, torch.dtype]]:
+    names = {
+        _OPS.all_gather_into_tensor.default: "all_gather",
+        _OPS.reduce_scatter_tensor.default: "reduce_scatter",
+        _OPS.all_reduce.default: "all_reduce",
+    }
+    return [
+        (names[n.target], n.args[0].meta["val"].dtype)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in names
+    ]
+
+
+def _shard(model: _Net, mesh: Any, **options: Any) -> None:
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(
+        model, mesh=mesh, **{k: v for k, v in options.items() if k != "reshard_after_forward"}
+    )
+
+
+def _step(
+    run: Any, optim: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> float:
+    loss = loss_fn(run(tokens), targets)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _train_exact(backend: str, hsdp: bool, checkpointed: bool) -> dict[str, Any]:
+    """fp32: the compiled sharded model beside an unsharded replica on the global batch."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed)
+    model.scale.requires_grad_(False)  # frozen, in the root's group beside trainable weights
+    reference = copy.deepcopy(model)
+    mesh = device_mesh((2, 2), ("replicate", "shard")) if hsdp else mesh_1d()
+    _shard(model, mesh, reshard_after_forward=True)
+    graphs = _Graphs(backend)
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_optim = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    frames = []
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 2 * world)
+        mine = slice(2 * rank, 2 * rank + 2)
+        _step(run, optim, tokens[mine], targets[mine])
+        _step(reference, ref_optim, tokens, targets)
+        frames.append(graphs.frames)
+    state = model._fsdp_state  # type: ignore[attr-defined]
+    return {
+        "diffs": [
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ],
+        "registered": all(isinstance(p, DTensor) for p in model.parameters()),
+        "grads_none": all(p.grad is None for p in model.parameters()),
+        "sharded": str(state.groups[0].state),
+        "frames": frames,
+        "fw": [_collectives(g) for g in graphs.fw],
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_whole_model_in_one_graph_trains_exactly(backend: str) -> None:
+    """W=2, fp32, tied + frozen weights, uneven rows, AC inside blocks: one forward and one
+    backward graph, no recompilation, parameters within 1e-5 of the unsharded replica."""
+    got = run_distributed(functools.partial(_train_exact, backend, False, True), 2, timeout=300)
+    for r in got:
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["registered"] and r["grads_none"] and r["sharded"] == "GroupState.SHARDED"
+        assert r["frames"] == [1] * STEPS  # one frame, compiled once
+        if backend == "inductor":
+            continue
+        (fw,), (bw,) = r["fw"], r["bw"]
+        # One all-gather per group in forward (2 blocks + root), fp32.
+        assert fw == [("all_gather", torch.float32)] * 3
+        # Backward: the blocks reshard after forward, so their gathers are recomputed; the
+        # root keeps its parameters. One reduce-scatter per group, fp32.
+        assert sorted(bw) == sorted(
+            [("all_gather", torch.float32)] * 2 + [("reduce_scatter", torch.float32)] * 3
+        )
+
+
+def _train_hsdp_accumulating(backend: str) -> dict[str, Any]:
+    """HSDP (2 x 2), fp32, two micro-batches per step (sync off, then on) vs the replica."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    reference = copy.deepcopy(model)
+    _shard(model, device_mesh((2, 2), ("replicate", "shard")), reshard_after_forward=False)
+    graphs = _Graphs(backend)
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    frames = []
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 4 * world)
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)  # type: ignore[operator]
+            rows = slice(4 * rank + 2 * micro, 4 * rank + 2 * micro + 2)
+            (loss_fn(run(tokens[rows]), targets[rows]) / 2).backward()
+        optim.step()
+        optim.zero_grad()
+        _step(reference, ref_optim, tokens, targets)
+        frames.append(graphs.frames)
+    return {
+        "diffs": [
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ],
+        "frames": frames,
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+def test_hsdp_with_gradient_accumulation_trains_exactly(backend: str) -> None:
+    """2 x 2 HSDP, sync off for the first of two micro-batches: a second graph for the flag
+    (compiled once each), exact against the replica; the unsynced backward reduces nothing."""
+    got = run_distributed(functools.partial(_train_hsdp_accumulating, backend), 4, timeout=300)
+    for r in got:
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["frames"] == [2] * STEPS
+        unsynced, synced = r["bw"]
+        assert unsynced == []
+        f32 = torch.float32
+        assert sorted(synced) == sorted([("reduce_scatter", f32), ("all_reduce", f32)] * 3)
+
+
+def _train_mixed_precision(backend: str) -> dict[str, Any]:
+    """bf16 compute, fp32 reduction: compiled beside our eager engine, same options."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        _shard(m, mesh_1d(), mp_policy=mp)
+    graphs = _Graphs(backend)
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_optim = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    rank = torch.distributed.get_rank()
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 4)
+        mine = slice(2 * rank, 2 * rank + 2)
+        _step(run, optim, tokens[mine], targets[mine])
+        _step(eager, eager_optim, tokens[mine], targets[mine])
+    return {
+        "diffs": [
+            (p.full_tensor() - q.full_tensor()).abs().max().item()
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True)
+        ],
+        "dtypes": {str(p.dtype) for p in model.parameters()},
+        "fw": [_collectives(g) for g in graphs.fw],
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
+    got = run_distributed(functools.partial(_train_mixed_precision, backend), 2, timeout=300)
+    for r in got:
+        assert max(r["diffs"]) < 1e-6, r["diffs"]
+        assert r["dtypes"] == {"torch.float32"}  # the sharded parameters stay fp32
+        (fw,), (bw,) = r["fw"], r["bw"]
+        assert fw == [("all_gather", torch.bfloat16)] * 3
+        # The blocks reshard after forward (the default below the root): bf16 gathers again.
+        expected = [("all_gather", torch.bfloat16)] * 2 + [("reduce_scatter", torch.float32)] * 3
+        assert sorted(bw) == sorted(expected)
+
+
+def _untraceable(case: str) -> tuple[str, str]:
+    """Compile a model whose root group uses an option the graph path cannot trace."""
+    from fully_shard import CountingComm, QuantizationPolicy
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    options: dict[str, Any] = {}
+    if case == "offload":
+        options["offload_policy"] = CPUOffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh_1d(), **options)
+    if case == "int8":  # the embedding's padded shard (7 x 8 elements) holds a block of 8
+        options["quantization_policy"] = QuantizationPolicy(all_gather="int8", block_size=8)
+    fully_shard(model, mesh=mesh_1d(), **options)
+    if case == "comm":
+        model.set_comm(CountingComm())  # type: ignore[operator]
+    run = torch.compile(model, backend="eager", fullgraph=True)
+    try:
+        run(_batch(0, 2)[0])
+    except Exception as e:  # dynamo wraps it (InternalTorchDynamoError); ours is the context
+        cause = e if isinstance(e, FullyShardNotImplementedError) else e.__context__
+        return type(cause).__name__, str(cause)
+    return "", "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [("offload", "CPU offload"), ("int8", "int8 (QuantizationPolicy)"), ("comm", "set_comm")],
+)
+def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:
+    for kind, message in run_distributed(functools.partial(_untraceable, case), 2, timeout=120):
+        assert kind == "FullyShardNotImplementedError", message
+        assert names in message and "ompile each block instead" in message, message
+
+
+def _train_blocks_compiled_after_sharding(backend: str) -> dict[str, Any]:
+    """``torch.compile(block, fullgraph=True)`` after ``fully_shard``, the root eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    reference = copy.deepcopy(model)
+    graphs = _Graphs(backend)
+    for i, block in enumerate(list(model.blocks)):
+        fully_shard(block, mesh=mesh_1d())
+        model.blocks[i] = torch.compile(block, backend=graphs, fullgraph=True)
+    fully_shard(model, mesh=mesh_1d())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    rank, frames = torch.distributed.get_rank(), []
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 4)
+        _step(model, optim, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        _step(reference, ref_optim, tokens, targets)
+        frames.append(graphs.frames)
+    return {
+        "diffs": [
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ],
+        "frames": frames,
+        "fw": [_collectives(g) for g in graphs.fw],
+    }
+
+
+def test_block_compiled_after_sharding_carries_its_own_collectives() -> None:
+    """Each block's graph holds its gather (the root's hooks stay eager); exact."""
+    got = run_distributed(
+        functools.partial(_train_blocks_compiled_after_sharding, BACKENDS[0]), 2, timeout=300
+    )
+    for r in got:
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["frames"] == [2] * STEPS  # one graph per block (their groups differ)
+        if BACKENDS[0] != "inductor":
+            assert r["fw"] == [[("all_gather", torch.float32)]] * 2
