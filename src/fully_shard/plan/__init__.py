@@ -218,7 +218,9 @@ class Plan:
         step_cost: the planner's cost (``StepCosts``) of this configuration.
         bound: the phase (and group) of the peak.
         breakdown: bytes per category at the peak, ``((category, bytes), ...)``.
-        mp_policy, quantization_policy: the user's, passed to every ``fully_shard`` call.
+        mp_policy: the user's mixed precision, passed to every ``fully_shard`` call.
+        quantization_policy: the user's gather quantization, passed to every ``fully_shard``
+            call.
 
     Example:
         >>> p = fully_shard.plan(model, budget="2GiB", world_size=8,  # doctest: +SKIP
@@ -646,7 +648,9 @@ def plan(
         optimizer: the optimizer's state layout: ``"adamw"``, ``"sgd"``, ``"sgd_momentum"``,
             or a callable giving the state bytes of one parameter from its local shard's shape
             and dtype. ``zero_grad(set_to_none=True)`` after each step is assumed.
-        mp_policy, quantization_policy: passed to every ``fully_shard`` call.
+        mp_policy: mixed precision, passed to every ``fully_shard`` call (the planner
+            computes in its ``param_dtype`` and casts inputs as the engine does).
+        quantization_policy: int8 gathers, passed to every ``fully_shard`` call.
         allow: the options the planner may change.
         block_types: the module classes that become groups (default: the repeated class
             holding the most parameters).
