@@ -77,10 +77,13 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def soak(session: nox.Session) -> None:
-    """Long reliability runs: 1,000 soak steps, 200 random call sequences (tests: 100, 12)."""
+    """Long reliability runs: 1,000 soak steps, 200 random call sequences (tests: 100, 12), 60
+    drawn models for the planner's prediction against MemTracker (tests: 4)."""
     session.install("-e", ".[test]", *CONSTRAINTS)
     env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
+    env["FULLY_SHARD_PLAN_EXAMPLES"] = "60"
     # inductor: test_compile.py once more with code generation (C++ on CPU, minutes)
     env["FULLY_SHARD_COMPILE_BACKENDS"] = "aot_eager,inductor"
     tests = ("tests/test_soak.py", "tests/test_stateful.py", "tests/test_compile.py")
+    tests += ("tests/test_plan.py",)
     session.run("pytest", *tests, *session.posargs, env=env)
