@@ -78,7 +78,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def soak(session: nox.Session) -> None:
     """Long reliability runs: 1,000 soak steps, 200 random call sequences (tests: 100, 12), 60
-    drawn models for the planner's prediction against MemTracker (tests: 4)."""
+    drawn models for the planner's prediction against MemTracker (tests: 2)."""
     session.install("-e", ".[test]", *CONSTRAINTS)
     env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
     env["FULLY_SHARD_PLAN_EXAMPLES"] = "60"
