@@ -77,12 +77,13 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def soak(session: nox.Session) -> None:
-    """Long runs: 1,000 soak steps, 200 random call sequences, 200 examples per property
-    (tests: 100, 12, 20), and the scripts the tests run on the warm pool also launched as a
-    user launches them."""
+    """Long runs: 1,000 soak steps, 200 random call sequences, 200 examples per property, 60
+    drawn models for the planner's prediction against MemTracker (tests: 100, 12, 20, 2), and
+    the scripts the tests run on the warm pool also launched as a user launches them."""
     session.install("-e", ".[test]", *CONSTRAINTS)
     env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
     env["FULLY_SHARD_PROPERTY_EXAMPLES"] = "200"
+    env["FULLY_SHARD_PLAN_EXAMPLES"] = "60"
     # inductor: test_compile.py once more with code generation (C++ on CPU, minutes)
     env["FULLY_SHARD_COMPILE_BACKENDS"] = "aot_eager,inductor"
     # fresh: the benchmarks and the demo in a new interpreter (their ranks spawned), the 2-D and
@@ -90,7 +91,7 @@ def soak(session: nox.Session) -> None:
     env["FULLY_SHARD_LAUNCHERS"] = "pool,fresh"
     tests = ("tests/test_soak.py", "tests/test_stateful.py", "tests/test_properties.py")
     # test_compile.py and test_graph.py (the whole model in one graph) with inductor too
-    tests += ("tests/test_compile.py", "tests/test_graph.py")
+    tests += ("tests/test_compile.py", "tests/test_graph.py", "tests/test_plan.py")
     tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
     tests += ("tests/test_resume.py",)
     session.run("pytest", *tests, *session.posargs, env=env)

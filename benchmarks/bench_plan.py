@@ -60,21 +60,27 @@ def _run(model: nn.Module, batches: list[Tensor], steps: int) -> tuple[int, floa
     tracker = _Tracker()
     tracker.track_external(model)
 
-    def step(tokens: Tensor) -> None:
-        loss = _loss(model(tokens[:, :-1]), tokens[:, 1:])
+    def step(inputs: Tensor, targets: Tensor) -> None:
+        loss = _loss(model(inputs), targets)
         loss.backward()
         optim.step()
         optim.zero_grad()
 
+    # MemTracker charges a step the whole storage of every tensor it first sees as an op's
+    # output or a module's input: a slice of the global batch taken under it would count the
+    # global batch, once per step still held in `batches` (the planner counts this step's
+    # inputs only). So the tracked steps slice outside and copy each step's rows inside.
+    pairs = [(tokens[:, :-1], tokens[:, 1:]) for tokens in batches[:2]]
     with tracker:
-        for tokens in batches[:2]:
-            step(tokens)
+        for inputs, targets in pairs:
+            step(inputs.clone(memory_format=torch.contiguous_format), targets.clone())
             tracker.reset_mod_stats()
     peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
     dist.barrier()
     start = time.perf_counter()
     for i in range(steps):
-        step(batches[i % len(batches)])
+        tokens = batches[i % len(batches)]
+        step(tokens[:, :-1], tokens[:, 1:])
     dist.barrier()
     return peak, (time.perf_counter() - start) / steps
 
@@ -91,10 +97,11 @@ def _rank_main(rank: int, world: int, size: str, steps: int, port: int) -> None:
         return Llama(cfg)
 
     tokens = batches[0]
+    targets = tokens[:, 1:]
     common: dict[str, Any] = {
         "example_inputs": (tokens[:, :-1],),
         "mesh": mesh,
-        "loss_fn": lambda out: _loss(out, tokens[:, 1:]),
+        "loss_fn": lambda out: _loss(out, targets),
     }
     roomy = plan(fresh(), budget="1TiB", **common)
     try:

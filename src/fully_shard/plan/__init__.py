@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import FullyShardTypeError, FullyShardValueError, PlanInfeasibleError
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .activations import Mark, Trace, fake_mode, fake_replica, run_trace, to_fake
+from .repeat import KEEP, expand, find_run, kept_blocks, short_groups, shortened
 from .schedule import CATEGORIES, Choice, Model, Outcome, ParamInfo, simulate
 
 __all__ = [
@@ -218,7 +219,9 @@ class Plan:
         step_cost: the planner's cost (``StepCosts``) of this configuration.
         bound: the phase (and group) of the peak.
         breakdown: bytes per category at the peak, ``((category, bytes), ...)``.
-        mp_policy, quantization_policy: the user's, passed to every ``fully_shard`` call.
+        mp_policy: the user's mixed precision, passed to every ``fully_shard`` call.
+        quantization_policy: the user's gather quantization, passed to every ``fully_shard``
+            call.
 
     Example:
         >>> p = fully_shard.plan(model, budget="2GiB", world_size=8,  # doctest: +SKIP
@@ -467,6 +470,43 @@ class _Setup:
     device_type: str
 
 
+def _trace_shortened(
+    trace: Callable[..., Trace],
+    model: nn.Module,
+    replica: nn.Module,
+    block_names: Sequence[str],
+    params: Sequence[nn.Parameter],
+    owners: Sequence[int],
+    want_ckpt: bool,
+) -> tuple[Trace, Trace | None] | None:
+    """Both traces from a replica whose longest run of identical blocks is cut to four
+    (:mod:`fully_shard.plan.repeat`); None where there is no such run or it does not fit."""
+    run = find_run(model, block_names)
+    if run is None:
+        return None
+    n = len(block_names)
+    short_group = short_groups(run, n)
+    blocks = [replica.get_submodule(block_names[b]) for b in kept_blocks(run, n)]
+    short_owners = [short_group[g] for g in owners]
+    # A dropped block's parameters get a gradient where the first middle block's do.
+    middle = [i for i, g in enumerate(owners) if g == run.start + 2]
+    twins: dict[int, int] = {}
+    for b in range(run.start + KEEP - 1, run.start + run.length - 1):
+        mine = [i for i, g in enumerate(owners) if g == b + 1]
+        twins.update(zip(mine, middle, strict=True))
+    try:
+        with shortened(replica, run, block_names):
+            plain = trace(blocks, params, short_owners, False)
+            ckpt = trace(blocks, params, short_owners, True) if want_ckpt else None
+    except Exception:
+        return None  # e.g. the model indexes its blocks by number: trace all of them
+    full = expand(plain, run, n, twins)
+    full_ckpt = None if ckpt is None else expand(ckpt, run, n, twins)
+    if full is None or (ckpt is not None and full_ckpt is None):
+        return None
+    return full, full_ckpt
+
+
 def _divisors(world: int) -> list[int]:
     return [n for n in range(2, world) if world % n == 0]
 
@@ -474,60 +514,116 @@ def _divisors(world: int) -> list[int]:
 # -- the search -------------------------------------------------------------------------------
 
 
-def _candidates(n_blocks: int, world: int, allow: frozenset[str], offload_ok: bool) -> list[Choice]:
+@dataclass(frozen=True)
+class _Candidate:
+    """One configuration the search may take: the first ``k_reshard`` blocks reshard fully,
+    the others keep ``level``; the first ``k_checkpoint`` blocks are checkpointed."""
+
+    offload: bool
+    k_checkpoint: int
+    level: bool | int
+    k_reshard: int
+
+    def choice(self, n_blocks: int) -> Choice:
+        reshard = (False, *(True if i < self.k_reshard else self.level for i in range(n_blocks)))
+        ckpt = (False, *(i < self.k_checkpoint for i in range(n_blocks)))
+        return Choice(reshard, ckpt, self.offload)
+
+
+def _candidates(
+    n_blocks: int, world: int, allow: frozenset[str], offload_ok: bool
+) -> list[_Candidate]:
     levels: list[bool | int] = [False, *_divisors(world)] if "reshard" in allow else [True]
     acs = range(n_blocks + 1) if "checkpoint" in allow else range(1)
     offloads = (False, True) if "offload" in allow and offload_ok else (False,)
-    out: list[Choice] = []
-    seen: set[Choice] = set()
+    out: list[_Candidate] = []
+    seen: set[tuple[bool, int, bool | int, int]] = set()
     for off in offloads:
         for k_ac in acs:
             for level in levels:
                 for k_r in range(n_blocks + 1):
-                    # The first k_r blocks reshard fully, the others keep `level`.
-                    reshard: tuple[bool | int, ...] = (
-                        False,
-                        *(True if i < k_r else level for i in range(n_blocks)),
+                    # Every block resharding fully is one configuration, whatever the level.
+                    key = (
+                        (off, k_ac, True, n_blocks)
+                        if level is True or k_r == n_blocks
+                        else (off, k_ac, level, k_r)
                     )
-                    ckpt = (False, *(i < k_ac for i in range(n_blocks)))
-                    c = Choice(reshard, ckpt, off)
-                    if c not in seen:
-                        seen.add(c)
-                        out.append(c)
+                    if key not in seen:
+                        seen.add(key)
+                        out.append(_Candidate(off, k_ac, level, k_r))
     return out
 
 
-def _cost(s: _Setup, c: Choice, costs: StepCosts) -> tuple[float, int, int]:
-    """(cost, collective bytes per rank, recompute FLOPs) of one step under ``c`` on rank 0."""
-    m, world = s.model, s.world
-    tr = m.plain
-    frac = (world - 1) / world
-    sent = 0.0
+@dataclass(frozen=True)
+class _Costs:
+    """Per-block sums from which any candidate's cost is a few look-ups (prefix sums over
+    blocks 1..k: index k)."""
+
+    root_sent: float
+    root_host: float
+    sent: dict[bool | int, tuple[float, ...]]  # reshard value -> prefix sums of bytes sent
+    host: dict[bool | int, tuple[float, ...]]  # same, host<->device bytes with offload
+    flops: tuple[int, ...]  # prefix sums of forward FLOPs (recomputed when checkpointed)
+
+    def of(self, c: _Candidate, costs: StepCosts) -> tuple[float, int, int]:
+        """(cost, collective bytes per rank, recompute FLOPs) of ``c`` on rank 0."""
+        k, n = c.k_reshard, len(self.flops) - 1
+        sent = self.root_sent + self.sent[True][k] + self.sent[c.level][n] - self.sent[c.level][k]
+        host = 0.0
+        if c.offload:
+            host = self.root_host + self.host[True][k]
+            host += self.host[c.level][n] - self.host[c.level][k]
+        flops = self.flops[c.k_checkpoint]
+        return sent + flops / costs.flops_per_byte + costs.host_weight * host, int(sent), flops
+
+
+def _group_traffic(s: _Setup, g: int, flag: bool | int) -> tuple[float, float]:
+    """(bytes sent in collectives, host<->device bytes with offload) of group ``g`` per step
+    on rank 0 when it reshards after forward with ``flag``."""
+    gathered, padded, shards, grads = s.group_sums[g]
+    if not gathered:
+        return 0.0, 0.0
+    frac = (s.world - 1) / s.world
+    gathers = frac
+    regathered = s.model.plain.outputs_need_grad[g]
+    if regathered and flag is True:
+        gathers += frac
+    elif regathered and flag is not False:
+        gathers += (flag - 1) / flag
+    sent = gathers * gathered + frac * padded
+    if s.replicate > 1:
+        sent += 2 * (s.replicate - 1) / s.replicate * padded / s.world
     host = 0.0
-    for g in range(m.n_groups):
-        gathered, padded, shards, grads = s.group_sums[g]
-        if not gathered:
-            continue
-        gathers = 1.0 * frac
-        flag = c.reshard[g]
-        regathered = tr.outputs_need_grad[g]
-        if regathered and flag is True:
-            gathers += frac
-        elif regathered and isinstance(flag, int) and not isinstance(flag, bool):
-            gathers += (flag - 1) / flag
-        sent += gathers * gathered + frac * padded
-        if s.replicate > 1:
-            sent += 2 * (s.replicate - 1) / s.replicate * padded / world
-        if c.offload and not s.device_is_host:
-            host += (1 + (flag is not False and regathered)) * shards + grads
-    # Checkpointing recomputes a block's forward: the FLOPs of its forward spans.
-    flops = _forward_flops(tr, c)
-    cost = sent + flops / costs.flops_per_byte + costs.host_weight * host
-    return cost, int(sent), flops
+    if not s.device_is_host:
+        host = (1 + (flag is not False and regathered)) * shards + grads
+    return sent, host
 
 
-def _forward_flops(tr: Trace, c: Choice) -> int:
-    total = 0
+def _cost_table(s: _Setup, levels: Iterable[bool | int]) -> _Costs:
+    n = s.model.n_groups - 1
+    sent: dict[bool | int, tuple[float, ...]] = {}
+    host: dict[bool | int, tuple[float, ...]] = {}
+    for flag in {True, *levels}:
+        per = [_group_traffic(s, g, flag) for g in range(1, n + 1)]
+        sent[flag] = tuple(_prefix(a for a, _ in per))
+        host[flag] = tuple(_prefix(b for _, b in per))
+    root_sent, root_host = _group_traffic(s, 0, False)
+    flops = [0, *_forward_flops(s.model.plain, n)]
+    for k in range(1, n + 1):
+        flops[k] += flops[k - 1]
+    return _Costs(root_sent, root_host, sent, host, tuple(flops))
+
+
+def _prefix(values: Iterable[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _forward_flops(tr: Trace, n_blocks: int) -> list[int]:
+    """Per block, the FLOPs of its forward (what checkpointing it recomputes)."""
+    per = [0] * (n_blocks + 1)
     inside: int | None = None
     for item in tr.items:
         if isinstance(item, Mark):
@@ -536,9 +632,9 @@ def _forward_flops(tr: Trace, c: Choice) -> int:
             elif item.kind == "fwd_end" and item.group == inside:
                 inside = None
             continue
-        if inside is not None and c.checkpoint[inside]:
-            total += item.flops
-    return total
+        if inside is not None:
+            per[inside] += item.flops
+    return per[1:]
 
 
 def _simulate(s: _Setup, c: Choice, rank: int = 0) -> Outcome:
@@ -549,13 +645,12 @@ def _to_plan(
     s: _Setup,
     c: Choice,
     budget: int,
-    costs: StepCosts,
+    cost: tuple[float, int, int],
     mp: MixedPrecisionPolicy,
     qp: QuantizationPolicy,
 ) -> Plan:
     out = _simulate(s, c)
-    ranks = [out.peak] + [_simulate(s, c, r).peak for r in range(1, s.world)]
-    cost, sent, flops = _cost(s, c, costs)
+    ranks = _rank_peaks(s, c, out.peak)
     groups: list[GroupPlan] = []
     m = s.model
     for g in [*range(1, m.n_groups), 0]:
@@ -583,14 +678,35 @@ def _to_plan(
         host_bytes=out.host_peak,
         groups=tuple(groups),
         offload=c.offload and not s.device_is_host,
-        step_bytes=sent,
-        recompute_flops=flops,
-        step_cost=cost,
+        step_bytes=cost[1],
+        recompute_flops=cost[2],
+        step_cost=cost[0],
         bound=out.where,
         breakdown=tuple(zip(CATEGORIES, out.breakdown, strict=True)),
         mp_policy=mp,
         quantization_policy=qp,
     )
+
+
+def _rank_peaks(s: _Setup, c: Choice, peak0: int) -> list[int]:
+    """Every rank's predicted peak; ranks that hold the same rows of every parameter (in the
+    world and in each post-forward split) have the same peak, replayed once."""
+    splits = sorted({f for f in c.reshard if f is not True and f is not False})
+    shapes = [p.rows_rest()[0] for p in s.model.params]
+    known: dict[tuple[int, ...], int] = {}
+    out = []
+    for r in range(s.world):
+        key = tuple(_rows(d0, n, r % n) for n in (s.world, *splits) for d0 in shapes)
+        if key not in known:
+            known[key] = peak0 if r == 0 else _simulate(s, c, r).peak
+        out.append(known[key])
+    return out
+
+
+def _rows(d0: int, n: int, rank: int) -> int:
+    chunk = math.ceil(d0 / n)
+    offset = min(rank * chunk, d0)
+    return min(offset + chunk, d0) - offset
 
 
 def _describe(c: Choice, labels: Sequence[str]) -> str:
@@ -646,7 +762,9 @@ def plan(
         optimizer: the optimizer's state layout: ``"adamw"``, ``"sgd"``, ``"sgd_momentum"``,
             or a callable giving the state bytes of one parameter from its local shard's shape
             and dtype. ``zero_grad(set_to_none=True)`` after each step is assumed.
-        mp_policy, quantization_policy: passed to every ``fully_shard`` call.
+        mp_policy: mixed precision, passed to every ``fully_shard`` call (the planner
+            computes in its ``param_dtype`` and casts inputs as the engine does).
+        quantization_policy: int8 gathers, passed to every ``fully_shard`` call.
         allow: the options the planner may change.
         block_types: the module classes that become groups (default: the repeated class
             holding the most parameters).
@@ -753,21 +871,24 @@ def plan(
     meta_args, meta_kwargs = to_fake((args, kwargs), mode)
     in_dtype = mp.forward_input_dtype()
     loss = _default_loss if loss_fn is None else loss_fn
-    try:
-        trace = functools.partial(
-            run_trace, replica, blocks, replica_params, owners, meta_args, meta_kwargs, loss
-        )
-        # Once plain, once with every block checkpointed; any mix is composed from the two.
-        plain = trace(False, mode, in_dtype)
-        ckpt = trace(True, mode, in_dtype) if "checkpoint" in allowed and blocks else None
-    except FullyShardValueError:
-        raise
-    except Exception as e:
-        raise FullyShardValueError(
-            f"the model did not run on example_inputs (on meta tensors): {type(e).__name__}: "
-            f"{e}; pass the inputs one rank's forward takes (and loss_fn= if the output is "
-            "not a loss)"
-        ) from e
+    # Once plain, once with every block checkpointed; any mix is composed from the two.
+    trace = functools.partial(run_trace, replica, meta_args, meta_kwargs, loss, mode, in_dtype)
+    want_ckpt = "checkpoint" in allowed and bool(blocks)
+    traced = _trace_shortened(trace, model, replica, block_names, replica_params, owners, want_ckpt)
+    if traced is None:
+        try:
+            plain = trace(blocks, replica_params, owners, False)
+            ckpt = trace(blocks, replica_params, owners, True) if want_ckpt else None
+        except FullyShardValueError:
+            raise
+        except Exception as e:
+            raise FullyShardValueError(
+                f"the model did not run on example_inputs (on meta tensors): "
+                f"{type(e).__name__}: {e}; pass the inputs one rank's forward takes (and "
+                "loss_fn= if the output is not a loss)"
+            ) from e
+    else:
+        plain, ckpt = traced
     if ckpt is not None and [i for i in ckpt.items if isinstance(i, Mark)] != [
         i for i in plain.items if isinstance(i, Mark)
     ]:
@@ -797,21 +918,22 @@ def plan(
     candidates = _candidates(
         len(blocks), world, allowed if ckpt else allowed - {"checkpoint"}, device_type != "cpu"
     )
+    table = _cost_table(setup, {k.level for k in candidates})
     scored = sorted(
-        ((_cost(setup, c, costs)[0], i, c) for i, c in enumerate(candidates)),
-        key=lambda t: (t[0], t[1]),
+        ((table.of(k, costs), i, k) for i, k in enumerate(candidates)), key=lambda t: t[:2]
     )
-    best: tuple[int, Choice] | None = None
-    for _, _, c in scored:
+    best: tuple[int, Choice, tuple[float, int, int]] | None = None
+    for cost, _, k in scored:
+        c = k.choice(len(blocks))
         peak = _simulate(setup, c).peak
         if peak <= budget_bytes:
-            return _to_plan(setup, c, budget_bytes, costs, mp, qp)
+            return _to_plan(setup, c, budget_bytes, cost, mp, qp)
         if best is None or peak < best[0]:
-            best = (peak, c)
+            best = (peak, c, cost)
     if best is None:  # at least the default configuration is always a candidate
         raise RuntimeError("plan(): no configuration was tried (internal error)")
-    minimum, c = best
-    smallest = _to_plan(setup, c, budget_bytes, costs, mp, qp)
+    minimum, c, cost = best
+    smallest = _to_plan(setup, c, budget_bytes, cost, mp, qp)
     raise PlanInfeasibleError(
         f"no allowed configuration fits {_fmt(budget_bytes)} per rank: the smallest predicted "
         f"peak is {_fmt(minimum)} ({minimum} bytes), with {_describe(c, setup.labels)}, at "

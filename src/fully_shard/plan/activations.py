@@ -270,15 +270,15 @@ def to_fake(obj: Any, mode: FakeTensorMode) -> Any:
 
 def run_trace(
     replica: nn.Module,
-    blocks: Sequence[nn.Module],
-    params: Sequence[nn.Parameter],
-    owner_of_param: Sequence[int],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor],
-    checkpointed: bool,
     mode: FakeTensorMode,
-    input_dtype: torch.dtype | None = None,
+    input_dtype: torch.dtype | None,
+    blocks: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    owner_of_param: Sequence[int],
+    checkpointed: bool,
 ) -> Trace:
     """One forward (``loss_fn`` on the output) and backward of ``replica`` on meta tensors.
 
