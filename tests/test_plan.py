@@ -234,8 +234,9 @@ def _mlp(vocab: int, dim: int, layers: int, frozen: str, batch: int, seq: int, *
 @example(spec=_mlp(640, 48, 5, "block", 3, 28), world=2, where=0.0)
 @example(spec=_mlp(705, 80, 5, "none", 3, 47), world=2, where=0.5)
 # A vocabulary-sized head as a group of its own (narrow blocks: the Linears are the groups),
-# its gradient packed last: it lived through the reduce-scatter's output allocation, which
-# the replay missed (measured 6.6% over the budget).
+# its gradient packed last: the engine kept it alive through the reduce-scatter's output
+# allocation, which the replay did not (measured 6.6% over the budget); the engine now frees
+# it first, as the replay assumes.
 @example(spec=_mlp(640, 80, 5, "block", 3, 11, ffn=48, tie=False, mp=True), world=2, where=0.65)
 @given(spec=specs, world=st.integers(1, 4), where=st.floats(0.0, 1.0))
 def test_predicted_peak_matches_memtracker_and_fits(

@@ -485,7 +485,10 @@ class ParamGroup:
             for (p, g), off, n in zip(packed, offsets, numels, strict=True):
                 pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
         params = [p for p, _ in packed]
-        del grads, packed  # the unsharded gradients are in the buffer now: free them
+        # The unsharded gradients are in the buffer now: free them, the loop's last one too,
+        # before the reduce-scatter output is allocated (a vocabulary-sized head packed last
+        # would otherwise stay alive beside it).
+        del grads, packed, g
         rs = self._reduce_plan(reduce_dtype).reduce_scatter
         if world == 1 and self.config.reduce_scatter_comm is None:
             # One shard rank: the reduce-scatter's result is its input, divided as the op

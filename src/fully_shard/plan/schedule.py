@@ -323,16 +323,10 @@ def simulate(
         # One shard rank: no reduce-scatter, its input buffer is the result (group.py).
         flat_in, out = world * total * red, (0 if world == 1 else total * red)
         led.add("reduce buffers", flat_in)
-        # Packing frees the unsharded gradients, all but the last packed one: the engine's
-        # frame still refers to it while it allocates the reduce-scatter output (it goes when
-        # reduce_grads returns). A vocabulary-sized head packed last makes this the peak.
-        last = min(
-            grads_live[g], math.prod(params[packed[-1]].shape) * params[packed[-1]].compute_itemsize
-        )
-        led.add("unsharded gradients", last - grads_live[g])
-        led.add("reduce buffers", out)
-        led.add("unsharded gradients", -last)
+        # Packing frees every unsharded gradient before the reduce-scatter output exists.
+        led.add("unsharded gradients", -grads_live[g])
         grads_live[g] = 0
+        led.add("reduce buffers", out)
         # The sharded .grad is a view of the result when no cast or move is needed: it stays.
         result = flat_in if world == 1 else out
         alias = [i for i in packed if params[i].orig_itemsize == red and not offload]
