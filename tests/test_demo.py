@@ -26,10 +26,9 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fully_shard
-from fully_shard import demo
+from fully_shard import demo, init_distributed
 from harness import run_distributed
 
 KINDS = {"forward", "backward", "unshard", "reshard", "all_gather", "reduce_scatter"}
@@ -64,7 +63,7 @@ def _train_rank(cfg: demo.DemoConfig) -> str:
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(out),
     ):
-        demo.train(dist.get_rank(), dist.get_world_size(), cfg)
+        demo.train(init_distributed(), cfg)  # the pool's group, kept
     return out.getvalue()
 
 

@@ -405,9 +405,13 @@ def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     The graph path's one use: the root's lazy init (Python bookkeeping and eager tensor
     allocation) must run once before the traced forward, and fullgraph allows no break to run
-    it in. ``torch._dynamo.assume_constant_result`` (2.13.0; present since 2.0).
+    it in. ``torch._dynamo.assume_constant_result`` only sets the attribute below, which
+    dynamo's function variables read (read in torch 2.6.0, 2.13.0 and 2.14.1); it is set here
+    directly because importing ``torch._dynamo`` at our import time would cost a second and, on
+    2.13, load torch's own FSDP package (``import fully_shard`` must do neither).
     """
-    return torch._dynamo.assume_constant_result(fn)  # type: ignore[no-untyped-call,no-any-return]
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def forward_hooks(
