@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from .errors import FullyShardNotImplementedError
+
 __all__ = ["FakeTensorMode", "TorchDispatchMode", "flop_registry"]  # re-exported for the planner
 
 
@@ -116,8 +118,14 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     ``_StridedShard(d, split_factor=tp_size)`` on the DP dim does. torch's own FSDP2 uses the
     same placement for the same reason; there is no public equivalent yet.
     """
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        raise FullyShardNotImplementedError(
+            f"torch {torch.__version__} has no _StridedShard placement, which a parameter that "
+            "tensor parallelism sharded on the same dim as fully_shard needs; use torch 2.6 or "
+            "newer, or a TP plan that shards another dim"
+        ) from None
     return _StridedShard(dim, split_factor=split_factor)
 
 
@@ -199,7 +207,14 @@ def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     dim (and its process group, a collective; torch caches it, so a second call with the same
     names returns the same mesh); torch's FSDP2 calls the same method. 2.6 and 2.13 have it.
     """
-    flattened: DeviceMesh = mesh[names]._flatten("_".join(names))
+    sub = mesh[names]
+    if not callable(getattr(sub, "_flatten", None)):
+        raise FullyShardNotImplementedError(
+            f"torch {torch.__version__} cannot flatten the mesh dims {names} into one "
+            "(DeviceMesh._flatten is missing); use torch 2.6 or newer, or pass a mesh whose "
+            "shard dim is a single dim"
+        )
+    flattened: DeviceMesh = sub._flatten("_".join(names))
     return flattened
 
 
