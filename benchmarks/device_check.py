@@ -31,7 +31,7 @@ Two checks are hooks for features built beside this script: ``compile-fullgraph`
 ``fully_shard`` their rows say "not available in this build".
 
 Example:
-    $ python benchmarks/device_check.py --all --table-out device_rows.md   # 1 GPU, < 8 min
+    $ python benchmarks/device_check.py --all --table-out device_rows.md   # every run, rows
     $ python benchmarks/device_check.py --device cuda                # NCCL, one rank per GPU
     $ python benchmarks/device_check.py --device cuda --backend gloo --nproc 2
     $ python benchmarks/device_check.py --device cpu --nproc 2       # the same checks on CPU

@@ -1,15 +1,24 @@
 """Every private torch API ``fully_shard`` uses, in one place, each with why and where tried.
 
 Nothing else in the package touches a torch name that starts with an underscore (apart from
-``nn.Module._parameters``, which every module wrapper reads). Every entry was run on torch
-2.13.0 (the pinned CI version). The first ones were also run on 2.6.0 (the oldest supported
-release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
-(``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
-``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``,
-``profiler_enabled``, ``torch_fsdp_module_class``, ``register_with_torch_composable``) only
-on 2.13.0, each written to fall back or to use a name 2.6 has; the last two also on 2.11 with
-CUDA. Other releases in between have not been run, so this file is the one place to check
-when they are.
+``nn.Module._parameters``, which every module wrapper reads). Where the entries were run (CPU,
+gloo, the test suite; each entry says which releases it has run on):
+
+- torch 2.13.0, CI's pin: every entry, on every CI run.
+- torch 2.14.1, the newest release: every entry (the whole suite, 2026-12-06).
+- torch 2.6.0, the oldest supported release: the test files of the engine, parity with an
+  unsharded model, properties, validation, checkpoints, 2-D and 3-D meshes, ``dp_mesh_dims``,
+  the planner and the policies (2026-12-06); not pipelining or ``torch.compile``, whose tests
+  also run torch's FSDP2 (which 2.6 cannot run on CPU). Two probes answer "no" there by
+  design: :func:`can_concatenate_meshes` (``dp_mesh_dims`` that flatten or
+  reorder dims raise ``FullyShardNotImplementedError``) and
+  :func:`strided_shard_handles_uneven` (an uneven TP + FSDP layout raises).
+- torch 2.11.0 with CUDA (an H200, 2026-12-04, an earlier engine): the entries up to
+  :func:`dtensor_from_spec`.
+
+Releases in between have not been run. An entry whose API may be missing falls back (a probe,
+``getattr``) or raises ``FullyShardNotImplementedError`` naming the torch version; the others
+are present, under the same name, in every release listed above.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import torch
 # Fake tensors rather than plain meta ones: a fake tensor keeps its device ("cpu"), so ops
 # pick that device's kernels (scaled_dot_product_attention saves a logsumexp on CPU but
 # materializes the attention weights on meta: 20% more activation memory in a small
-# transformer). The FLOP formulas are torch's FlopCounterMode table. Run on torch 2.13 only.
+# transformer). The FLOP formulas are torch's FlopCounterMode table. Run on 2.6.0, 2.13.0
+# and 2.14.1.
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
@@ -64,7 +74,7 @@ def profiler_enabled() -> bool:
     even when nothing records it (about 6 µs a label, against 0.2 µs for this check; CPU,
     torch 2.13); the profiler labels ask this first. torch's own fast labels
     (``_RecordFunctionFast``, what compiled graphs emit) make the same check in C++.
-    ``torch._C._autograd._profiler_enabled``: run on 2.13 only (the name is older).
+    ``torch._C._autograd._profiler_enabled``: run on 2.6.0, 2.13.0 and 2.14.1.
     """
     return bool(torch._C._autograd._profiler_enabled())
 
@@ -76,7 +86,7 @@ def post_accumulate_grad_hooks(t: torch.Tensor) -> list[Callable[[torch.Tensor],
     never runs these hooks: the engine runs them itself once the sharded gradient is in
     place, as torch's FSDP2 does (optimizer-in-backward depends on it). Registration is
     public, listing is not: the dict lives at ``Tensor._post_accumulate_grad_hooks`` (``None``
-    until one is registered) since the hooks came in 2.1; run on 2.13.
+    until one is registered) since the hooks came in 2.1; run on 2.6.0, 2.13.0 and 2.14.1.
     """
     hooks = getattr(t, "_post_accumulate_grad_hooks", None)
     return list(hooks.values()) if hooks else []
@@ -260,7 +270,7 @@ def dtensor_spec(
     """The layout of a sharded DTensor, built once and reused by :func:`dtensor_from_spec`.
 
     ``torch.distributed.tensor._dtensor_spec.DTensorSpec`` (private): see
-    :func:`dtensor_from_spec` for why. Run on 2.13 and 2.11; not run on 2.6.
+    :func:`dtensor_from_spec` for why. Run on 2.6.0, 2.11.0, 2.13.0 and 2.14.1.
     """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -279,8 +289,8 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     call against 4 µs for the constructor with a spec built once (CPU, torch 2.13), paid for
     every parameter's gradient on every step (on a GPU this was the largest item of our
     post-backward). torch's FSDP2 builds its sharded parameters and gradients the same way.
-    Run on 2.13 (CPU; a CUDA-typed mesh needs no GPU to exist) and on 2.11 with CUDA. Earlier
-    FSDP2 releases call the same constructor (read in torch's source); not run on 2.6.
+    Run on 2.6.0, 2.13.0 and 2.14.1 (CPU; a CUDA-typed mesh needs no GPU to exist) and on
+    2.11.0 with CUDA.
     """
     dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
     return dt
@@ -297,8 +307,8 @@ def torch_fsdp_module_class() -> type | None:
     imported it, and so have ``torch.distributed.pipelining``, ``torch.distributed.checkpoint``
     and ``torch.distributed._tools``; on 2.13 so has ``torch._dynamo``, which our hooks'
     ``torch.compiler.disable`` loads before the class swap, so in practice every module is
-    recognised whatever the user imported first. Public name, private lookup; run on 2.13
-    (2.6 exports the class there too).
+    recognised whatever the user imported first. Public name, private lookup; run on 2.6.0,
+    2.13.0 and 2.14.1.
     """
     package = sys.modules.get("torch.distributed.fsdp")
     cls = getattr(package, "FSDPModule", None)
@@ -326,8 +336,8 @@ def register_with_torch_composable(module: torch.nn.Module, view: object) -> Non
     """Enter our sharded ``module`` in torch's composable-API registries as ``fully_shard``.
 
     Two private per-module dicts of ``torch.distributed._composable.contract`` (read in torch
-    2.13's ``contract.py``, run on 2.13), both keyed by a per-process name in the module's
-    ``__dict__``:
+    2.13's ``contract.py``; run with pipelining on 2.13.0 and 2.14.1, registered but never
+    read on 2.6.0), both keyed by a per-process name in the module's ``__dict__``:
 
     - ``REGISTRY_KEY``: name -> ``RegistryItem``. torch's ``replicate()`` leaves the
       parameters of a module registered as ``"fully_shard"`` alone; on one it does not see as
