@@ -1,8 +1,14 @@
 """Developer and CI sessions: ``python3 -m nox -s tests`` (see README.md).
 
-Every session installs with ``-c constraints.txt``, which pins torch to the CPU build this
-project is tested against (so no session can pull a multi-gigabyte CUDA wheel) and pins the
-linters, so that a new ruff or mypy release cannot fail CI on unchanged code.
+Every session installs with ``-c constraints.txt``, which pins torch to the release CI tests
+against (2.13.0) and pins the linters, so that a new ruff or mypy release cannot fail CI on
+unchanged code. The pin is a version, not a build: which wheel pip picks is up to its
+configuration (on this project's CI machines a local CPU wheel; elsewhere PyPI's CUDA build
+unless ``--index-url https://download.pytorch.org/whl/cpu`` comes first). The file is for
+these sessions; users install with ``pip install -e .`` and keep their own torch.
+
+``tests_torch_latest`` (not a default session, not run by CI) runs the suite on the newest
+torch release instead of the pinned one.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "lint", "typecheck"]
 
 CONSTRAINTS = ("-c", "constraints.txt")
+TORCH_LATEST = "2.14.1"  # the newest torch release the suite has been run on
 LINTED = ("src", "tests", "benchmarks", "examples", "noxfile.py")
 
 
@@ -32,6 +39,24 @@ def tests(session: nox.Session) -> None:
     constraints.txt).
     """
     session.install("-e", ".[test,hf]", *CONSTRAINTS)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def tests_torch_latest(session: nox.Session) -> None:
+    """The test suite on the newest torch release; extra arguments go to pytest.
+
+    Not a default session and not in CI: PyPI's Linux wheel of torch is a CUDA build, several
+    GB with its libraries (it runs on CPU). Every pin of constraints.txt applies but torch's,
+    which a constraints file written into the session's tmp dir replaces.
+    """
+    lines = Path("constraints.txt").read_text().splitlines()
+    pins = [line for line in lines if not line.replace(" ", "").startswith("torch==")]
+    constraints = Path(session.create_tmp()) / "constraints-torch-latest.txt"
+    constraints.write_text("\n".join([*pins, f"torch=={TORCH_LATEST}"]) + "\n")
+    session.install(f"torch=={TORCH_LATEST}", "-c", str(constraints))
+    session.install("-e", ".[test,hf]", "-c", str(constraints))
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("pytest", *session.posargs)
 
 

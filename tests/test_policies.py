@@ -348,8 +348,10 @@ def test_an_offloaded_shard_stays_on_the_cpu_on_an_accelerator_mesh() -> None:
         assert got["mesh_type"] == "cuda", got
         assert got["after_step"] == [[rank - 0.5] * 4] * 3, got
         # what the engine must not call on such a shard: it moves it to the GPU (or, on a
-        # machine without CUDA such as CI's, fails trying)
-        assert got["from_local"] == "cuda" or "CUDA" in str(got["from_local"]), got
+        # machine without CUDA such as CI's, fails trying: "...CUDA..." on 2.13, "Found no
+        # NVIDIA driver" on a CUDA build of 2.6)
+        moved = got["from_local"]
+        assert moved == "cuda" or "CUDA" in str(moved) or "NVIDIA" in str(moved), got
 
 
 class _RecordingLinear(nn.Linear):

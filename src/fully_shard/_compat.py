@@ -1,16 +1,28 @@
 """Every private torch API ``fully_shard`` uses, in one place, each with why and where tried.
 
 Nothing else in the package touches a torch name that starts with an underscore (apart from
-``nn.Module._parameters``, which every module wrapper reads). Every entry was run on torch
-2.13.0 (the pinned CI version). The first ones were also run on 2.6.0 (the oldest supported
-release: the test suite but ``test_ecosystem.py``, 2026-12-03); those added since
-(``will_run_in_this_backward``, ``backend_allocate``, ``post_accumulate_grad_hooks``,
-``flatten_mesh``, ``local_tensor``, ``dtensor_spec``, ``dtensor_from_spec``,
-``profiler_enabled``, ``torch_fsdp_module_class``, ``register_with_torch_composable``) only
-on 2.13.0, each written to fall back or to use a name 2.6 has; the last two also on 2.11 with
-CUDA. ``torch_newton_schulz`` (``fully_shard.Muon``) only on 2.13.0; it falls back to our
-copy of the arithmetic where torch has no Muon. Other releases in between have not been run,
-so this file is the one place to check when they are.
+``nn.Module._parameters``, which every module wrapper reads). Where the entries were run (CPU,
+gloo, the test suite; each entry says which releases it has run on):
+
+- torch 2.13.0, CI's pin: every entry, on every CI run.
+- torch 2.14.1, the newest release: every entry (the whole suite, 2026-12-06).
+- torch 2.6.0, the oldest supported release: the test files of the engine, parity with an
+  unsharded model, properties, validation, checkpoints, 2-D and 3-D meshes, ``dp_mesh_dims``,
+  the planner and the policies (2026-12-06); not pipelining or ``torch.compile``, whose tests
+  also run torch's FSDP2 (which 2.6 cannot run on CPU). Two probes answer "no" there by
+  design: :func:`can_concatenate_meshes` (``dp_mesh_dims`` that flatten or
+  reorder dims raise ``FullyShardNotImplementedError``) and
+  :func:`strided_shard_handles_uneven` (an uneven TP + FSDP layout raises).
+- torch 2.11.0 with CUDA (an H200, 2026-12-04, an earlier engine): the entries up to
+  :func:`dtensor_from_spec`.
+- The graph path's entries (``funcol_*``, :func:`assume_constant_result`,
+  :func:`forward_hooks`, :func:`has_backward_or_global_hooks`) and
+  :func:`torch_newton_schulz` (``fully_shard.Muon``) came later: run on 2.13.0 and 2.14.1;
+  ``torch_newton_schulz`` falls back to our copy of the arithmetic where torch has no Muon.
+
+Releases in between have not been run. An entry whose API may be missing falls back (a probe,
+``getattr``) or raises ``FullyShardNotImplementedError`` naming the torch version; the others
+are present, under the same name, in every release listed above.
 """
 
 from __future__ import annotations
@@ -27,12 +39,15 @@ import torch
 # Fake tensors rather than plain meta ones: a fake tensor keeps its device ("cpu"), so ops
 # pick that device's kernels (scaled_dot_product_attention saves a logsumexp on CPU but
 # materializes the attention weights on meta: 20% more activation memory in a small
-# transformer). The FLOP formulas are torch's FlopCounterMode table. Run on torch 2.13 only.
+# transformer). The FLOP formulas are torch's FlopCounterMode table. Run on 2.6.0, 2.13.0
+# and 2.14.1.
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from .errors import FullyShardNotImplementedError
 
 __all__ = ["FakeTensorMode", "TorchDispatchMode", "flop_registry"]  # re-exported for the planner
 
@@ -63,7 +78,7 @@ def profiler_enabled() -> bool:
     even when nothing records it (about 6 µs a label, against 0.2 µs for this check; CPU,
     torch 2.13); the profiler labels ask this first. torch's own fast labels
     (``_RecordFunctionFast``, what compiled graphs emit) make the same check in C++.
-    ``torch._C._autograd._profiler_enabled``: run on 2.13 only (the name is older).
+    ``torch._C._autograd._profiler_enabled``: run on 2.6.0, 2.13.0 and 2.14.1.
     """
     return bool(torch._C._autograd._profiler_enabled())
 
@@ -75,7 +90,7 @@ def post_accumulate_grad_hooks(t: torch.Tensor) -> list[Callable[[torch.Tensor],
     never runs these hooks: the engine runs them itself once the sharded gradient is in
     place, as torch's FSDP2 does (optimizer-in-backward depends on it). Registration is
     public, listing is not: the dict lives at ``Tensor._post_accumulate_grad_hooks`` (``None``
-    until one is registered) since the hooks came in 2.1; run on 2.13.
+    until one is registered) since the hooks came in 2.1; run on 2.6.0, 2.13.0 and 2.14.1.
     """
     hooks = getattr(t, "_post_accumulate_grad_hooks", None)
     return list(hooks.values()) if hooks else []
@@ -117,8 +132,14 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     ``_StridedShard(d, split_factor=tp_size)`` on the DP dim does. torch's own FSDP2 uses the
     same placement for the same reason; there is no public equivalent yet.
     """
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        raise FullyShardNotImplementedError(
+            f"torch {torch.__version__} has no _StridedShard placement, which a parameter that "
+            "tensor parallelism sharded on the same dim as fully_shard needs; use torch 2.6 or "
+            "newer, or a TP plan that shards another dim"
+        ) from None
     return _StridedShard(dim, split_factor=split_factor)
 
 
@@ -200,7 +221,14 @@ def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     dim (and its process group, a collective; torch caches it, so a second call with the same
     names returns the same mesh); torch's FSDP2 calls the same method. 2.6 and 2.13 have it.
     """
-    flattened: DeviceMesh = mesh[names]._flatten("_".join(names))
+    sub = mesh[names]
+    if not callable(getattr(sub, "_flatten", None)):
+        raise FullyShardNotImplementedError(
+            f"torch {torch.__version__} cannot flatten the mesh dims {names} into one "
+            "(DeviceMesh._flatten is missing); use torch 2.6 or newer, or pass a mesh whose "
+            "shard dim is a single dim"
+        )
+    flattened: DeviceMesh = sub._flatten("_".join(names))
     return flattened
 
 
@@ -246,7 +274,7 @@ def dtensor_spec(
     """The layout of a sharded DTensor, built once and reused by :func:`dtensor_from_spec`.
 
     ``torch.distributed.tensor._dtensor_spec.DTensorSpec`` (private): see
-    :func:`dtensor_from_spec` for why. Run on 2.13 and 2.11; not run on 2.6.
+    :func:`dtensor_from_spec` for why. Run on 2.6.0, 2.11.0, 2.13.0 and 2.14.1.
     """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -265,8 +293,8 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     call against 4 µs for the constructor with a spec built once (CPU, torch 2.13), paid for
     every parameter's gradient on every step (on a GPU this was the largest item of our
     post-backward). torch's FSDP2 builds its sharded parameters and gradients the same way.
-    Run on 2.13 (CPU; a CUDA-typed mesh needs no GPU to exist) and on 2.11 with CUDA. Earlier
-    FSDP2 releases call the same constructor (read in torch's source); not run on 2.6.
+    Run on 2.6.0, 2.13.0 and 2.14.1 (CPU; a CUDA-typed mesh needs no GPU to exist) and on
+    2.11.0 with CUDA.
     """
     dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
     return dt
@@ -283,8 +311,8 @@ def torch_fsdp_module_class() -> type | None:
     imported it, and so have ``torch.distributed.pipelining``, ``torch.distributed.checkpoint``
     and ``torch.distributed._tools``; on 2.13 so has ``torch._dynamo``, which our hooks'
     ``torch.compiler.disable`` loads before the class swap, so in practice every module is
-    recognised whatever the user imported first. Public name, private lookup; run on 2.13
-    (2.6 exports the class there too).
+    recognised whatever the user imported first. Public name, private lookup; run on 2.6.0,
+    2.13.0 and 2.14.1.
 
     Users who make a library call ours rebind torch's names
     (``torch.distributed.fsdp.FSDPModule = fully_shard.FSDPModule``); the public name then is
@@ -323,8 +351,8 @@ def register_with_torch_composable(module: torch.nn.Module, view: object) -> Non
     """Enter our sharded ``module`` in torch's composable-API registries as ``fully_shard``.
 
     Two private per-module dicts of ``torch.distributed._composable.contract`` (read in torch
-    2.13's ``contract.py``, run on 2.13), both keyed by a per-process name in the module's
-    ``__dict__``:
+    2.13's ``contract.py``; run with pipelining on 2.13.0 and 2.14.1, registered but never
+    read on 2.6.0), both keyed by a per-process name in the module's ``__dict__``:
 
     - ``REGISTRY_KEY``: name -> ``RegistryItem``. torch's ``replicate()`` leaves the
       parameters of a module registered as ``"fully_shard"`` alone; on one it does not see as

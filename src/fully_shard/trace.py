@@ -30,7 +30,7 @@ Example:
     >>> recordings = trace.gather(rec)  # a collective: rank 0 gets every rank's  # doctest: +SKIP
     >>> if recordings:  # rank 0  # doctest: +SKIP
     ...     trace.write_chrome_trace("trace.json", recordings)  # open in ui.perfetto.dev
-    ...     trace.plot_memory("memory.png", recordings)  # needs fully-shard[plot]
+    ...     trace.plot_memory("memory.png", recordings)  # needs matplotlib
 
 Times are wall-clock nanoseconds (a monotonic clock anchored to ``time.time_ns()`` once per
 recorder), so ranks on one host line up to within microseconds; across hosts they are as
@@ -519,7 +519,8 @@ def plot_memory(
     """Plot the unsharded parameter bytes alive over time, one line per rank, as a PNG.
 
     A dashed line marks what an unsharded replica would hold (``replica_bytes``); the shaded
-    spans are rank 0's root forward and backward. Needs matplotlib (``fully-shard[plot]``).
+    spans are rank 0's root forward and backward. Needs matplotlib (``pip install matplotlib``, or
+    ``pip install -e '.[plot]'`` in a clone of this repository).
 
     Raises:
         ModuleNotFoundError: matplotlib is not installed; the message says how to install it.
@@ -532,8 +533,8 @@ def plot_memory(
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ModuleNotFoundError(
-            "fully_shard.trace.plot_memory needs matplotlib: pip install 'fully-shard[plot]' "
-            "(or pip install matplotlib)",
+            "fully_shard.trace.plot_memory needs matplotlib: pip install matplotlib "
+            "(or, in a clone of the fully_shard repository, pip install -e '.[plot]')",
             name="matplotlib",
         ) from err
     if not recordings:
