@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_train import Llama, ModelConfig, _free_port, init_rank, make_batches
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import spawn
 from torch.utils.checkpoint import checkpoint
@@ -742,7 +742,7 @@ def check_muon(sc: Scenario, opts: Options, device: torch.device) -> dict[str, A
 def _rank_main(rank: int, opts: Options, port: int, out_path: str) -> None:
     timeout = timedelta(seconds=120)
     job = init_rank(rank, opts.world, opts.device, opts.backend, port, timeout)
-    device, mesh = job.device, job.mesh
+    device = job.device
     results: dict[str, Any] = {}
     try:
         for sc in opts.scenarios:
