@@ -77,7 +77,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import fully_shard as fs
 from fully_shard.demo import leave_rank
-from fully_shard.launch import Distributed, init_distributed
+from fully_shard.launch import Distributed, init_distributed, worker_environment
 from fully_shard.quantize import int8_gather_nbytes
 
 IMPLS = (
@@ -712,14 +712,7 @@ def init_rank(
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
         torch.set_num_interop_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),  # rank 0 hosts the rendezvous store there
-    )
+    os.environ.update(worker_environment(rank, world, port))  # rank 0 hosts the store
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device_type == "cpu":
         return init_distributed(backend="gloo", timeout=timeout)

@@ -46,7 +46,7 @@ from torch.multiprocessing.spawn import (
 from . import trace
 from .api import fully_shard
 from .collectives import CountingComm
-from .launch import Distributed, init_distributed
+from .launch import Distributed, init_distributed, worker_environment
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import SCALE_BYTES, int8_gather_nbytes, n_blocks
 
@@ -428,15 +428,7 @@ def _worker(rank: int, cfg: DemoConfig, port: int) -> None:
     # What torchrun gives each worker, so init_distributed joins and picks the device as it
     # does under torchrun. The parent hosts the rendezvous store, as torchrun's agent does:
     # TORCHELASTIC_USE_AGENT_STORE makes every rank connect to it as a client.
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    os.environ.update(worker_environment(rank, world, port, agent_store=True))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo on the loopback
     job = init_distributed(
         backend="gloo" if cfg.device == "cpu" else None, timeout=timedelta(seconds=cfg.timeout_s)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import FullyShardLaunchError, FullyShardValueError
 
-__all__ = ["Distributed", "init_distributed"]
+__all__ = ["Distributed", "init_distributed", "worker_environment"]
 
 # What torchrun sets for every worker; init_process_group's env:// rendezvous reads the first
 # two and the last two, init_distributed the middle two.
@@ -86,6 +86,35 @@ class Distributed:
         """
         dist.barrier()
         dist.destroy_process_group()
+
+
+def worker_environment(
+    rank: int, world_size: int, port: int, *, agent_store: bool = False
+) -> dict[str, str]:
+    """What ``torchrun`` sets for worker ``rank`` of a one-machine job, for scripts that
+    start their ranks themselves (``torch.multiprocessing.spawn``) and then call
+    :func:`init_distributed` in each, as a ``torchrun`` worker would.
+
+    ``port``: where the rendezvous store listens on ``127.0.0.1`` (rank 0 hosts it, or the
+    parent when ``agent_store``: every rank then connects to it as a client, as under
+    torchrun's agent).
+
+    Example:
+        >>> env = worker_environment(1, 2, 29500)
+        >>> env["RANK"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]
+        ('1', '2', '29500')
+    """
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    if agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
 
 
 def init_distributed(
