@@ -4,11 +4,13 @@ The demo launches its own ranks on this machine (``--nproc``, default 2; gloo on
 there is a GPU per rank), shards every transformer block and then the root with
 :func:`~fully_shard.fully_shard`, and trains a character-level language model on the bundled
 text (a selection of Shakespeare's Sonnets, public domain) with AdamW. Rank 0 shows a progress
-bar (tqdm, from ``fully-shard[demo]``; plain lines without it) and ends with a summary: the loss
-from start to end, each rank's memory sharded vs unsharded, and the bytes every collective
-moved in one step against the formula for them (see :func:`expected_comm_bytes`).
+bar (tqdm: ``pip install -e '.[demo]'`` from a clone; plain lines without it) and ends with a
+summary: the loss from start to end, each rank's memory sharded vs unsharded, and the bytes
+every collective moved in one step against the formula for them (see
+:func:`expected_comm_bytes`).
 ``--trace DIR`` also writes the last step's timeline of every rank (``DIR/trace.json``, for
-ui.perfetto.dev) and its memory timeline (``DIR/memory.png``, needs ``fully-shard[plot]``).
+ui.perfetto.dev) and its memory timeline (``DIR/memory.png``; it needs matplotlib:
+``pip install -e '.[plot]'``).
 
 Example:
     $ python -m fully_shard.demo                       # ~1 minute on 2 CPU cores
@@ -391,7 +393,7 @@ class _Progress:
                 # untyped, and absent where only the core is installed (the typecheck run)
                 from tqdm import tqdm  # type: ignore[import-untyped,import-not-found,unused-ignore]
             except ImportError:
-                print("(install fully-shard[demo] for a progress bar)", flush=True)
+                print("(pip install tqdm for a progress bar)", flush=True)
             else:
                 # No monitor thread (tqdm starts one per process to fix stalled bars): a
                 # thread is one more thing alive at interpreter exit, where the demo aborted.
