@@ -128,6 +128,7 @@ class _GatherPlan:
     native_avg: bool  # the backend has AVG (NCCL); gloo sums and divides
     sync: bool  # requires_gradient_sync
     reduce_unused: bool  # reduce_scatter_unused_params
+    device: torch.device  # the mesh's compute device: where the gradient buffers are made
 
     numels: tuple[int, ...]
 
@@ -196,7 +197,8 @@ def _pack_grads(
     for i in members:
         g, p = grads[i], plan.params[i]
         if g is None:
-            cols.append(torch.zeros(p.world, p.padded_numel, dtype=plan.reduce_dtype))
+            shape = (p.world, p.padded_numel)
+            cols.append(torch.zeros(shape, dtype=plan.reduce_dtype, device=plan.device))
         else:
             cols.append(_ranked(g.to(plan.reduce_dtype), p))
     return (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
@@ -446,6 +448,7 @@ def gather_plan(group: ParamGroup) -> _GatherPlan:
         native_avg=native_avg,
         sync=config.requires_gradient_sync,
         reduce_unused=config.reduce_scatter_unused_params,
+        device=info.device,
         numels=tuple(p.padded_numel for p in params),
     )
 
