@@ -224,6 +224,14 @@ INHERENTLY_CPU = {
         "device_check.py",
         'parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")',
     ): "the --backend flag",
+    (
+        "device_check.py",
+        'first = "nccl" if args.device == "cuda" else "gloo"',
+    ): "--all: its W=1 run, NCCL on a GPU (gloo when checking on CPU)",
+    (
+        "device_check.py",
+        'runs = [(first, 1), ("gloo", 2), ("gloo", 4)]',
+    ): "--all: W=2 and W=4 on gloo sharing one GPU, a column of the verified-where table",
     ("device_check.py", 'backend = "nccl" if args.device == "cuda" else "gloo"'): "--backend auto",
     (
         "device_check.py",
