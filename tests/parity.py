@@ -213,6 +213,13 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return 0.0 if a.numel() == 0 else (a.detach().double() - b.detach().double()).abs().max().item()
 
 
+def param_diffs(model: nn.Module, reference: nn.Module) -> list[float]:
+    """The largest difference of each parameter's global value from the reference's, in
+    order (either side may be sharded)."""
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    return [_max_diff(_full(p), _full(q)) for p, q in pairs]
+
+
 def _compare(
     what: str, got: Tensor, want: Tensor, *, atol: float, rtol: float, where: str
 ) -> float:
