@@ -103,12 +103,15 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def soak(session: nox.Session) -> None:
     """Long runs: 1,000 soak steps, 200 random call sequences, 200 examples per property, 60
-    drawn models for the planner's prediction against MemTracker (tests: 100, 12, 20, 2), and
-    the scripts the tests run on the warm pool also launched as a user launches them."""
+    drawn models for the planner's prediction against MemTracker (tests: 100, 12, 20, 2), the
+    full products of the parametrizations the suite thins (tests/matrix.py), and the scripts
+    the tests run on the warm pool also launched as a user launches them."""
     session.install("-e", ".[test]", *CONSTRAINTS)
     env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
     env["FULLY_SHARD_PROPERTY_EXAMPLES"] = "200"
     env["FULLY_SHARD_PLAN_EXAMPLES"] = "60"
+    # the parametrizations the suite thins to all pairs or a subset (tests/matrix.py), in full
+    env["FULLY_SHARD_FULL_MATRIX"] = "1"
     # inductor: test_compile.py once more with code generation (C++ on CPU, minutes)
     env["FULLY_SHARD_COMPILE_BACKENDS"] = "aot_eager,inductor"
     # fresh: the benchmarks and the demo in a new interpreter (their ranks spawned), the 2-D and
@@ -118,5 +121,6 @@ def soak(session: nox.Session) -> None:
     # test_compile.py and test_graph.py (the whole model in one graph) with inductor too
     tests += ("tests/test_compile.py", "tests/test_graph.py", "tests/test_plan.py")
     tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
-    tests += ("tests/test_resume.py",)
+    tests += ("tests/test_resume.py", "tests/test_parity.py", "tests/test_pipelining.py")
+    tests += ("tests/test_3d.py",)
     session.run("pytest", *tests, *session.posargs, env=env)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import fully_shard
 from harness import run_distributed
+from matrix import FULL_MATRIX, thinned
 from parity import needs_torch_fsdp2_on_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,19 +216,25 @@ def test_device_check_passes_every_scenario_on_cpu(
 ) -> None:
     # What a GPU machine runs (benchmarks/device_check.py --device cuda), on gloo ranks here:
     # every option against its reference, the int8 cost table and the verified-where rows.
+    # One step each in the suite, two in the soak; the suite leaves out "compile"
+    # (torch.compile(model) takes the graph path as "compile-fullgraph" does, and
+    # test_compile.py's "whole" order checks it against eager and torch).
+    every = ["fp32", "no-reshard", "prefetch", "accum", "checkpoint", "offload", "int8"]
+    every += ["torch-fp32", "torch-bf16", "hsdp", "tp", "3d", "compile", "compile-fullgraph"]
+    every += ["float8", "checker", "dcp", "plan", "muon"]
+    names = thinned(every, [n for n in every if n != "compile"])
+    steps = "2" if FULL_MATRIX else "1"
     out, table = tmp_path / "check.json", tmp_path / "rows.md"
     stdout = _run(
-        "device_check", "--device", "cpu", "--nproc", "2", "--steps", "2", "--quant-sizes", "4096",
-        "--quant-worlds", "2,4", "--quant-reps", "2", "--json-out", str(out),
-        "--table-out", str(table), launcher=launcher, monkeypatch=monkeypatch,
+        "device_check", "--device", "cpu", "--nproc", "2", "--steps", steps, "--quant-sizes",
+        "4096", "--quant-worlds", "2,4", "--quant-reps", "2", "--json-out", str(out),
+        "--table-out", str(table), "--only", ",".join(names), launcher=launcher,
+        monkeypatch=monkeypatch,
     )  # fmt: skip
     summary = json.loads(out.read_text())
     assert summary["ok"]
     (run,) = summary["runs"]
     assert (run["backend"], run["world"], run["setup"]) == ("gloo", 2, "CPU gloo W=2")
-    names = ["fp32", "no-reshard", "prefetch", "accum", "checkpoint", "offload", "int8"]
-    names += ["torch-fp32", "torch-bf16", "hsdp", "tp", "3d", "compile", "compile-fullgraph"]
-    names += ["float8", "checker", "dcp", "plan", "muon"]
     assert summary["options"]["scenarios"] == names
     # plan reads the CUDA allocator (N/A on CPU); every other check passes, the graph path's
     # and Muon's included

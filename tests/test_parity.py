@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 import parity
 from fully_shard import CountingComm, FSDPModule, FullyShardValueError, fully_shard
 from harness import mesh_1d, run_distributed
+from matrix import pairwise
 from models import MLPStack, ModelArgs, RMSNorm, Transformer
 from parity import (
     MakeBatch,
@@ -152,9 +153,10 @@ def _reshard_pattern(model: str, pattern: str) -> ParityStats:
     return _parity(model, _wrap(flags))
 
 
-@pytest.mark.parametrize("pattern", ["all_true", "all_false", "alternating"])
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    ("world", "model", "pattern"),
+    pairwise([1, 2, 3, 4], MODELS, ["all_true", "all_false", "alternating"]),
+)
 def test_parity_with_reshard_after_forward_per_layer(world: int, model: str, pattern: str) -> None:
     _assert_nonvacuous(run_distributed(_reshard_pattern, world, model, pattern))
 
