@@ -122,5 +122,5 @@ def soak(session: nox.Session) -> None:
     tests += ("tests/test_compile.py", "tests/test_graph.py", "tests/test_plan.py")
     tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
     tests += ("tests/test_resume.py", "tests/test_parity.py", "tests/test_pipelining.py")
-    tests += ("tests/test_3d.py",)
+    tests += ("tests/test_3d.py", "tests/test_multinode.py")
     session.run("pytest", *tests, *session.posargs, env=env)
