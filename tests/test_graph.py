@@ -355,3 +355,12 @@ def test_block_compiled_after_sharding_carries_its_own_collectives() -> None:
         assert r["frames"] == [2] * STEPS  # one graph per block (their groups differ)
         if BACKENDS[0] != "inductor":
             assert r["fw"] == [[("all_gather", torch.float32)]] * 2
+
+
+def test_one_rank_compiles_without_collectives() -> None:
+    # W = 1: nothing to gather or reduce; the gradients still go through the group's
+    # reduction arithmetic (its divisions) to the DTensor parameters' .grad.
+    (got,) = run_distributed(_train_exact, 1, "aot_eager", False, False, timeout=300)
+    assert max(got["diffs"]) < 1e-5, got["diffs"]
+    assert got["frames"] == [1] * STEPS
+    assert got["fw"] == [[]] and got["bw"] == [[]]

@@ -125,6 +125,7 @@ class _GatherPlan:
     reduce_scatter: Reduction
     all_reduce: Reduction
     post_divide: float | None
+    one_rank_divisor: float  # what the reduce-scatter divides by when the shard group is 1 rank
     native_avg: bool  # the backend has AVG (NCCL); gloo sums and divides
     sync: bool  # requires_gradient_sync
     reduce_unused: bool  # reduce_scatter_unused_params
@@ -211,7 +212,7 @@ def _reduce_flat(plan: _GatherPlan, flat: torch.Tensor) -> torch.Tensor:
             flat, plan.reduce_scatter, plan.shard_group, plan.world, plan.native_avg, "rs"
         )
     else:
-        divisor = plan.reduce_scatter.divisor(group_size=1)
+        divisor = plan.one_rank_divisor
         flat = flat if divisor == 1 else flat / divisor
     if plan.replicate_group is not None:
         flat = _reduce(
@@ -445,6 +446,8 @@ def gather_plan(group: ParamGroup) -> _GatherPlan:
         reduce_scatter=plan.reduce_scatter,
         all_reduce=plan.all_reduce,
         post_divide=plan.post_divide,
+        # Worked out here, not in the traced backward: dynamo cannot call the method there.
+        one_rank_divisor=plan.reduce_scatter.divisor(group_size=1),
         native_avg=native_avg,
         sync=config.requires_gradient_sync,
         reduce_unused=config.reduce_scatter_unused_params,
