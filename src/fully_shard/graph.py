@@ -16,6 +16,9 @@ sharded model captures the whole step, collectives included:
   it), so no gathered parameter is kept from forward to backward; without resharding the
   gathered tensors are saved like any activation.
 
+A tensor-parallel parameter is gathered as its TP-local tensor (its layout is that tensor's,
+as in the eager engine) and shown as a DTensor on its TP mesh (:func:`_on_tp_mesh`).
+
 The module sees the gathered tensors through its instance ``__dict__``: an entry there shadows
 ``nn.Module.__getattr__``'s lookup in ``_parameters``, so forward computes with the gathered
 tensor while ``_parameters``, ``state_dict()``, the optimizer and every ``FSDPModule`` method
@@ -76,6 +79,7 @@ from .storage import DenseStorage, WholeShard
 if TYPE_CHECKING:
     from .group import ParamGroup
     from .hooks import FSDPState
+    from .spmd import TPLayout
 
 
 # -- the plan of one group's gather, read when dynamo traces ---------------------------------
@@ -344,8 +348,14 @@ def check_traceable(group: ParamGroup) -> None:
             _refuse(group, f"{p.fqn!r} all-gathers int8 (QuantizationPolicy)", _PER_BLOCK)
         if not isinstance(p.unsharded_side, (DenseStorage, WholeShard)):
             _refuse(group, f"{p.fqn!r} is a tensor subclass with its own all-gather", _PER_BLOCK)
-        if p.tp is not None:
-            _refuse(group, f"{p.fqn!r} is also tensor-parallel (a 2-D DTensor)", _PER_BLOCK)
+        if p.tp is not None and p.tp.dp_dims:
+            _refuse(
+                group,
+                f"{p.fqn!r} is a DTensor on the whole SPMD mesh (dp_mesh_dims): its gradient "
+                "keeps the placement the batch gives it on the data-parallel dims, which the "
+                "graph cannot fix ahead of time",
+                _PER_BLOCK,
+            )
         if p.local_shard.device.type == "meta":
             raise FullyShardStateError(
                 f"parameter {p.fqn!r} is still on the meta device; call "
@@ -485,14 +495,29 @@ def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
     return checkpoint(gather, extra, *shards, use_reentrant=False, preserve_rng_state=False)  # type: ignore[no-any-return]
 
 
+def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+    """A tensor-parallel parameter's gathered TP-local tensor as the DTensor its TP modules
+    compute with, as the eager engine shows it (:class:`~fully_shard.storage.DenseStorage`).
+
+    Its gradient comes back through ``from_local``'s backward, which brings a ``Partial`` TP
+    gradient (a sequence-parallel norm's weight) to the parameter's own placements, summing
+    it over the TP ranks as the eager engine's ``TPLayout.grad_placements`` does; the gather's
+    backward then gets this rank's TP-local gradient.
+    """
+    return DTensor.from_local(
+        full, tp.mesh, tp.placements, run_check=False, shape=tp.size, stride=tp.stride
+    )
+
+
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
     for group in state.groups:
         if not group.params:
             continue
         fulls = _gather(group, reshard)
         for p, full in zip(group.params, fulls, strict=True):
+            shown = full if p.tp is None else _on_tp_mesh(full, p.tp)
             for module, name in p.slots:
-                module.__dict__[name] = full
+                module.__dict__[name] = shown
                 run.shown.append((module, name))
     run.gathered.add(id(state))
 
