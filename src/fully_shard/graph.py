@@ -127,6 +127,7 @@ class _GatherPlan:
     wire_dtype: torch.dtype
     reduce_dtype: torch.dtype
     reduce_scatter: Reduction
+    one_rank_divisor: float  # the reduce-scatter's divisions when one shard rank skips it
     all_reduce: Reduction
     post_divide: float | None
     native_avg: bool  # the backend has AVG (NCCL); gloo sums and divides
@@ -215,7 +216,7 @@ def _reduce_flat(plan: _GatherPlan, flat: torch.Tensor) -> torch.Tensor:
             flat, plan.reduce_scatter, plan.shard_group, plan.world, plan.native_avg, "rs"
         )
     else:
-        divisor = plan.reduce_scatter.divisor(group_size=1)
+        divisor = plan.one_rank_divisor  # a number: dynamo cannot call a constant's method
         flat = flat if divisor == 1 else flat / divisor
     if plan.replicate_group is not None:
         flat = _reduce(
@@ -453,6 +454,7 @@ def gather_plan(group: ParamGroup) -> _GatherPlan:
         wire_dtype=params[0].compute_dtype,
         reduce_dtype=reduce_dtype,
         reduce_scatter=plan.reduce_scatter,
+        one_rank_divisor=plan.reduce_scatter.divisor(group_size=1),
         all_reduce=plan.all_reduce,
         post_divide=plan.post_divide,
         native_avg=native_avg,
