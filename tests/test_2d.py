@@ -43,7 +43,7 @@ from parity import (
     train_on_rank_rows,
     wrap_layers_then_root,
 )
-from tp_plan import apply_tp, chunk_piece
+from tp_plan import apply_tp_then_fully_shard, chunk_piece
 
 # The same-dim case below is uneven: torch releases whose _StridedShard cannot describe that
 # (2.6) make fully_shard refuse it, which test_uneven_strided_split_is_refused_... checks.
@@ -74,11 +74,7 @@ def _shard_tp_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, same_dim: bool = Fa
     assert isinstance(model, Transformer)
     root = _root()
     assert dp_mesh == root["dp"]
-    apply_tp(model, root["tp"])
-    fn = _same_dim if same_dim else None
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=fn)
-    fully_shard(model, mesh=dp_mesh, shard_placement_fn=fn)
+    apply_tp_then_fully_shard(model, root, _same_dim if same_dim else None)
 
 
 # -- HSDP ------------------------------------------------------------------------------------

@@ -17,22 +17,28 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fully_shard.errors import FullyShardNotImplementedError
 from harness import device_mesh, mesh_1d, run_distributed
+from models import ModelArgs, Transformer
 from parity import loss_fn, param_diffs
+from tp_plan import apply_tp_then_fully_shard
 
 STEPS = 3
 BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
 _OPS = torch.ops._c10d_functional
+# test_2d's model, one block and no rotary table to keep the trace short: 34 vocabulary and
+# hidden rows, 17 per TP rank, which dp splits 9 + 8 (uneven).
+TP_ARGS = ModelArgs(vocab_size=34, dim=16, n_layers=1, n_heads=4, ffn_hidden=34, rope=False)
 
 
 class _Block(nn.Module):
@@ -108,7 +114,10 @@ class _Graphs:
         return self._aot(gm, example)
 
 
-def _collectives(gm: torch.fx.GraphModule) -> list[tuple[str, torch.dtype]]:
+def _collectives(
+    gm: torch.fx.GraphModule, group: str | None = None
+) -> list[tuple[str, torch.dtype]]:
+    """The collectives of ``gm`` in order (over process group ``group`` only, if given)."""
     names = {
         _OPS.all_gather_into_tensor.default: "all_gather",
         _OPS.reduce_scatter_tensor.default: "reduce_scatter",
@@ -117,7 +126,7 @@ def _collectives(gm: torch.fx.GraphModule) -> list[tuple[str, torch.dtype]]:
     return [
         (names[n.target], n.args[0].meta["val"].dtype)
         for n in gm.graph.nodes
-        if n.op == "call_function" and n.target in names
+        if n.op == "call_function" and n.target in names and group in (None, n.args[-1])
     ]
 
 
@@ -139,58 +148,89 @@ def _step(
     return loss.item()
 
 
-def _train_exact(backend: str, hsdp: bool, checkpointed: bool) -> dict[str, Any]:
-    """fp32: the compiled sharded model beside an unsharded replica on the global batch."""
+def _setup(case: str) -> tuple[nn.Module, Callable[[nn.Module], None], int, int, list[str]]:
+    """The unsharded model of ``case``, how to shard it, this rank's data-parallel rank and
+    size, and the names of the process groups: ours (dp), then TP's if any."""
+    if case == "tp":  # (dp=2, tp=2): TP in the block and at the root, then fully_shard
+        root = device_mesh((2, 2), ("dp", "tp"))
+        shard = functools.partial(apply_tp_then_fully_shard, root=root)
+        groups = [root[name].get_group().group_name for name in ("dp", "tp")]
+        return Transformer(TP_ARGS), shard, root["dp"].get_local_rank(), 2, groups
+    model = _Net(checkpointed=True)
+    model.scale.requires_grad_(False)  # frozen, in the root's group beside trainable weights
+    mesh = mesh_1d()
+    shard = functools.partial(_shard, mesh=mesh, reshard_after_forward=True)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return model, shard, rank, world, [mesh.get_group().group_name]
+
+
+def _trainable(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _train_exact(backend: str, case: str) -> dict[str, Any]:
+    """fp32: the compiled sharded model beside our eager engine (same shards, same rows) and
+    an unsharded replica on the global batch."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Net(checkpointed)
-    model.scale.requires_grad_(False)  # frozen, in the root's group beside trainable weights
-    reference = copy.deepcopy(model)
-    mesh = device_mesh((2, 2), ("replicate", "shard")) if hsdp else mesh_1d()
-    _shard(model, mesh, reshard_after_forward=True)
+    model, shard, dp_rank, dp_size, groups = _setup(case)
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    shard(model)
+    shard(eager)
     graphs = _Graphs(backend)
     run = torch.compile(model, backend=graphs, fullgraph=True)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref_optim = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optim, eager_optim, ref_optim = _trainable(model), _trainable(eager), _trainable(reference)
     frames = []
     for step in range(STEPS):
-        tokens, targets = _batch(step, 2 * world)
-        mine = slice(2 * rank, 2 * rank + 2)
+        tokens, targets = _batch(step, 2 * dp_size)
+        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
         _step(run, optim, tokens[mine], targets[mine])
+        _step(eager, eager_optim, tokens[mine], targets[mine])
         _step(reference, ref_optim, tokens, targets)
         frames.append(graphs.frames)
     state = model._fsdp_state  # type: ignore[attr-defined]
     return {
         "diffs": param_diffs(model, reference),
+        "eager_diffs": param_diffs(model, eager),
         "registered": all(isinstance(p, DTensor) for p in model.parameters()),
         "grads_none": all(p.grad is None for p in model.parameters()),
         "sharded": str(state.groups[0].state),
         "frames": frames,
-        "fw": [_collectives(g) for g in graphs.fw],
-        "bw": [_collectives(g) for g in graphs.bw],
+        "fw": [_collectives(g, groups[0]) for g in graphs.fw],
+        "bw": [_collectives(g, groups[0]) for g in graphs.bw],
+        "tp_bw": [_collectives(g, groups[-1]) for g in graphs.bw] if case == "tp" else [],
+        "blocks": len(model.layers if case == "tp" else model.blocks),
     }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_whole_model_in_one_graph_trains_exactly(backend: str) -> None:
-    """W=2, fp32, tied + frozen weights, uneven rows, AC inside blocks: one forward and one
-    backward graph, no recompilation, parameters within 1e-5 of the unsharded replica."""
-    got = run_distributed(functools.partial(_train_exact, backend, False, True), 2, timeout=300)
+@pytest.mark.parametrize("case", ["fsdp", "tp"])
+def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> None:
+    """One forward and one backward graph, no recompilation, parameters within 1e-5 of our
+    eager engine and of the unsharded replica. ``fsdp``: W=2, tied + frozen weights, uneven
+    rows, AC inside blocks. ``tp``: W=4 as (dp=2) x (tp=2), every parameter a 2-D DTensor,
+    the TP modules computing with DTensors inside the graph, uneven dp rows, and
+    sequence-parallel norms whose weights' gradients are Partial over the TP ranks."""
+    world = 4 if case == "tp" else 2
+    got = run_distributed(functools.partial(_train_exact, backend, case), world, timeout=300)
     for r in got:
         assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
         assert r["registered"] and r["grads_none"] and r["sharded"] == "GroupState.SHARDED"
         assert r["frames"] == [1] * STEPS  # one frame, compiled once
         if backend == "inductor":
             continue
         (fw,), (bw,) = r["fw"], r["bw"]
-        # One all-gather per group in forward (2 blocks + root), fp32.
-        assert fw == [("all_gather", torch.float32)] * 3
+        f32, blocks = torch.float32, r["blocks"]
+        # One all-gather per group in forward (the blocks and the root), fp32.
+        assert fw == [("all_gather", f32)] * (blocks + 1)
         # Backward: the blocks reshard after forward, so their gathers are recomputed; the
         # root keeps its parameters. One reduce-scatter per group, fp32.
-        assert sorted(bw) == sorted(
-            [("all_gather", torch.float32)] * 2 + [("reduce_scatter", torch.float32)] * 3
-        )
+        want = [("all_gather", f32)] * blocks + [("reduce_scatter", f32)] * (blocks + 1)
+        assert sorted(bw) == sorted(want)
+        if case == "tp":  # each norm weight's Partial gradient summed over TP, as in eager
+            ((tp_bw),) = r["tp_bw"]
+            assert tp_bw.count(("all_reduce", f32)) == 2 * blocks + 1, tp_bw
 
 
 def _train_hsdp_accumulating(backend: str) -> dict[str, Any]:
@@ -283,21 +323,36 @@ def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
         assert sorted(bw) == sorted(expected)
 
 
+def _replicate_on(model: nn.Module, mesh: Any) -> None:
+    """Make every parameter of ``model`` a ``Replicate()`` DTensor on ``mesh``, keeping ties."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
+            setattr(module, name, made[id(p)])
+
+
 def _untraceable(case: str) -> tuple[str, str]:
     """Compile a model whose root group uses an option the graph path cannot trace."""
-    from fully_shard import CountingComm, QuantizationPolicy
+    from fully_shard import CountingComm, DataParallelMeshDims, QuantizationPolicy
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False)
     options: dict[str, Any] = {}
+    mesh = mesh_1d()
     if case == "offload":
         options["offload_policy"] = CPUOffloadPolicy()
+    if case == "spmd":  # every parameter a DTensor on the whole (named) mesh, tied ones too
+        mesh = device_mesh((2,), ("dp",))
+        options["dp_mesh_dims"] = DataParallelMeshDims(shard="dp")
+        _replicate_on(model, mesh)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh_1d(), **options)
+        fully_shard(block, mesh=mesh, **options)
     if case == "int8":  # the embedding's padded shard (7 x 8 elements) holds a block of 8
         options["quantization_policy"] = QuantizationPolicy(all_gather="int8", block_size=8)
-    fully_shard(model, mesh=mesh_1d(), **options)
+    fully_shard(model, mesh=mesh, **options)
     if case == "comm":
         model.set_comm(CountingComm())  # type: ignore[operator]
     run = torch.compile(model, backend="eager", fullgraph=True)
@@ -311,7 +366,12 @@ def _untraceable(case: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize(
     ("case", "names"),
-    [("offload", "CPU offload"), ("int8", "int8 (QuantizationPolicy)"), ("comm", "set_comm")],
+    [
+        ("offload", "CPU offload"),
+        ("int8", "int8 (QuantizationPolicy)"),
+        ("comm", "set_comm"),
+        ("spmd", "whole SPMD mesh (dp_mesh_dims)"),
+    ],
 )
 def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:
     for kind, message in run_distributed(functools.partial(_untraceable, case), 2, timeout=120):
@@ -360,7 +420,7 @@ def test_block_compiled_after_sharding_carries_its_own_collectives() -> None:
 def test_one_rank_compiles_without_collectives() -> None:
     # W = 1: nothing to gather or reduce; the gradients still go through the group's
     # reduction arithmetic (its divisions) to the DTensor parameters' .grad.
-    (got,) = run_distributed(_train_exact, 1, "aot_eager", False, False, timeout=300)
-    assert max(got["diffs"]) < 1e-5, got["diffs"]
+    (got,) = run_distributed(_train_exact, 1, "aot_eager", "fsdp", timeout=300)
+    assert max(got["diffs"]) < 1e-5 and max(got["eager_diffs"]) < 1e-5, got
     assert got["frames"] == [1] * STEPS
     assert got["fw"] == [[]] and got["bw"] == [[]]

@@ -9,10 +9,11 @@ up a DTensor on the TP mesh, so optimizer and `clip_grad_norm_` see one mesh.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from fully_shard import fully_shard
 from models import Attention, Transformer
 
 
@@ -75,6 +77,19 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         # Each TP rank computes its share of the heads.
         attention.n_heads //= tp
         attention.n_kv_heads //= tp
+
+
+def apply_tp_then_fully_shard(
+    model: Transformer,
+    root: DeviceMesh,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+) -> None:
+    """`apply_tp` over ``root["tp"]``, then fully_shard each block and the root over
+    ``root["dp"]`` (the 2-D order torchtitan uses)."""
+    apply_tp(model, root["tp"])
+    for block in model.layers:
+        fully_shard(block, mesh=root["dp"], shard_placement_fn=shard_placement_fn)
+    fully_shard(model, mesh=root["dp"], shard_placement_fn=shard_placement_fn)
 
 
 def tp_modules(model: nn.Module) -> list[str]:

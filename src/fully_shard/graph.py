@@ -16,6 +16,9 @@ sharded model captures the whole step, collectives included:
   it), so no gathered parameter is kept from forward to backward; without resharding the
   gathered tensors are saved like any activation.
 
+A tensor-parallel parameter is gathered as its TP-local tensor (its layout is that tensor's,
+as in the eager engine) and shown as a DTensor on its TP mesh (:func:`_on_tp_mesh`).
+
 The module sees the gathered tensors through its instance ``__dict__``: an entry there shadows
 ``nn.Module.__getattr__``'s lookup in ``_parameters``, so forward computes with the gathered
 tensor while ``_parameters``, ``state_dict()``, the optimizer and every ``FSDPModule`` method
@@ -76,6 +79,7 @@ from .storage import DenseStorage, WholeShard
 if TYPE_CHECKING:
     from .group import ParamGroup
     from .hooks import FSDPState
+    from .spmd import TPLayout
 
 
 # -- the plan of one group's gather, read when dynamo traces ---------------------------------
@@ -123,9 +127,9 @@ class _GatherPlan:
     wire_dtype: torch.dtype
     reduce_dtype: torch.dtype
     reduce_scatter: Reduction
+    one_rank_divisor: float  # the reduce-scatter's divisions when one shard rank skips it
     all_reduce: Reduction
     post_divide: float | None
-    one_rank_divisor: float  # what the reduce-scatter divides by when the shard group is 1 rank
     native_avg: bool  # the backend has AVG (NCCL); gloo sums and divides
     sync: bool  # requires_gradient_sync
     reduce_unused: bool  # reduce_scatter_unused_params
@@ -212,7 +216,7 @@ def _reduce_flat(plan: _GatherPlan, flat: torch.Tensor) -> torch.Tensor:
             flat, plan.reduce_scatter, plan.shard_group, plan.world, plan.native_avg, "rs"
         )
     else:
-        divisor = plan.one_rank_divisor
+        divisor = plan.one_rank_divisor  # a number: dynamo cannot call a constant's method
         flat = flat if divisor == 1 else flat / divisor
     if plan.replicate_group is not None:
         flat = _reduce(
@@ -345,8 +349,14 @@ def check_traceable(group: ParamGroup) -> None:
             _refuse(group, f"{p.fqn!r} all-gathers int8 (QuantizationPolicy)", _PER_BLOCK)
         if not isinstance(p.unsharded_side, (DenseStorage, WholeShard)):
             _refuse(group, f"{p.fqn!r} is a tensor subclass with its own all-gather", _PER_BLOCK)
-        if p.tp is not None:
-            _refuse(group, f"{p.fqn!r} is also tensor-parallel (a 2-D DTensor)", _PER_BLOCK)
+        if p.tp is not None and p.tp.dp_dims:
+            _refuse(
+                group,
+                f"{p.fqn!r} is a DTensor on the whole SPMD mesh (dp_mesh_dims): its gradient "
+                "keeps the placement the batch gives it on the data-parallel dims, which the "
+                "graph cannot fix ahead of time",
+                _PER_BLOCK,
+            )
         if p.local_shard.device.type == "meta":
             raise FullyShardStateError(
                 f"parameter {p.fqn!r} is still on the meta device; call "
@@ -444,10 +454,9 @@ def gather_plan(group: ParamGroup) -> _GatherPlan:
         wire_dtype=params[0].compute_dtype,
         reduce_dtype=reduce_dtype,
         reduce_scatter=plan.reduce_scatter,
+        one_rank_divisor=plan.reduce_scatter.divisor(group_size=1),
         all_reduce=plan.all_reduce,
         post_divide=plan.post_divide,
-        # Worked out here, not in the traced backward: dynamo cannot call the method there.
-        one_rank_divisor=plan.reduce_scatter.divisor(group_size=1),
         native_avg=native_avg,
         sync=config.requires_gradient_sync,
         reduce_unused=config.reduce_scatter_unused_params,
@@ -488,14 +497,29 @@ def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
     return checkpoint(gather, extra, *shards, use_reentrant=False, preserve_rng_state=False)  # type: ignore[no-any-return]
 
 
+def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+    """A tensor-parallel parameter's gathered TP-local tensor as the DTensor its TP modules
+    compute with, as the eager engine shows it (:class:`~fully_shard.storage.DenseStorage`).
+
+    Its gradient comes back through ``from_local``'s backward, which brings a ``Partial`` TP
+    gradient (a sequence-parallel norm's weight) to the parameter's own placements, summing
+    it over the TP ranks as the eager engine's ``TPLayout.grad_placements`` does; the gather's
+    backward then gets this rank's TP-local gradient.
+    """
+    return DTensor.from_local(
+        full, tp.mesh, tp.placements, run_check=False, shape=tp.size, stride=tp.stride
+    )
+
+
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
     for group in state.groups:
         if not group.params:
             continue
         fulls = _gather(group, reshard)
         for p, full in zip(group.params, fulls, strict=True):
+            shown = full if p.tp is None else _on_tp_mesh(full, p.tp)
             for module, name in p.slots:
-                module.__dict__[name] = full
+                module.__dict__[name] = shown
                 run.shown.append((module, name))
     run.gathered.add(id(state))
 
