@@ -64,10 +64,12 @@ class _Block(nn.Module):
 class _Net(nn.Module):
     """Tokens (B, S) -> logits (B, S, vocab); the head's weight is the embedding's."""
 
-    def __init__(self, checkpointed: bool, vocab: int = 13, dim: int = 8, hidden: int = 7) -> None:
+    def __init__(
+        self, checkpointed: bool, vocab: int = 13, dim: int = 8, hidden: int = 7, blocks: int = 2
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(_Block(dim, hidden, checkpointed) for _ in range(2))
+        self.blocks = nn.ModuleList(_Block(dim, hidden, checkpointed) for _ in range(blocks))
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim))
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight
@@ -307,10 +309,11 @@ def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> Non
 
 
 def _train_hsdp_accumulating(backend: str) -> dict[str, Any]:
-    """HSDP (2 x 2), fp32, two micro-batches per step (sync off, then on) vs the replica."""
+    """HSDP (2 x 2), fp32, two micro-batches per step (sync off, then on) vs the replica;
+    one block (two graphs on four ranks: the compile is the cost)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Net(checkpointed=False)
+    model = _Net(checkpointed=False, blocks=1)
     reference = copy.deepcopy(model)
     _shard(model, device_mesh((2, 2), ("replicate", "shard")), reshard_after_forward=False)
     graphs = _Graphs(backend)
@@ -349,7 +352,8 @@ def test_hsdp_with_gradient_accumulation_trains_exactly(backend: str) -> None:
         unsynced, synced = r["bw"]
         assert unsynced == []
         f32 = torch.float32
-        assert sorted(synced) == sorted([("reduce_scatter", f32), ("all_reduce", f32)] * 3)
+        # one block and the root
+        assert sorted(synced) == sorted([("reduce_scatter", f32), ("all_reduce", f32)] * 2)
 
 
 def _train_mixed_precision(backend: str) -> dict[str, Any]:
