@@ -433,7 +433,7 @@ def _train_with_passes(recipe: str) -> dict[str, Any]:
 def test_inductor_collective_passes_train_exactly(recipe: str) -> None:
     """bucket: forward's three all-gathers become one, backward's two recomputed gathers one
     and its three reduce-scatters one. reorder: the same collectives, started earlier or
-    waited on later (without the passes each wait follows its collective at once).
+    waited on later (without the passes, torch 2.13 waits right after each collective).
     Parameters within 1e-5 of the unsharded replica either way."""
     for r in run_distributed(functools.partial(_train_with_passes, recipe), 2, timeout=600):
         assert max(r["diffs"]) < 1e-5, r["diffs"]
