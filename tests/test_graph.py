@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -501,3 +502,96 @@ def test_one_rank_compiles_without_collectives() -> None:
     assert max(got["diffs"]) < 1e-5 and max(got["eager_diffs"]) < 1e-5, got
     assert got["frames"] == [1] * STEPS
     assert got["fw"] == [[]] and got["bw"] == [[]]
+
+
+# The recipes of docs/recipes/compile.md ("Inductor's collective passes"): inductor's passes,
+# given as torch.compile options. They run only where inductor generates code, so these cases
+# run where FULLY_SHARD_COMPILE_BACKENDS names inductor (nox -s soak).
+RECIPES = {
+    "bucket": {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"},
+    "reorder": {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_compute_for_overlap",
+            "sink_waits",
+            "raise_comms",
+        ],
+    },
+}
+# One call in an output module: (output =) torch.ops.<namespace>.<op>.<overload>(<first arg>,
+# or a generated kernel, or an extern one.
+_CALL = re.compile(
+    r"\s*(?:(\w+) = )?(?:torch\.ops\.(\w+)\.(\w+)\.\w+\((\w*)|cpp_fused|extern_kernels)"
+)
+
+
+def _code_collectives(code: str) -> tuple[dict[str, int], list[int]]:
+    """The collectives an inductor output module calls, and for each one waited on, how many
+    other calls (kernels, aten ops) run between its start and its wait."""
+    counts: dict[str, int] = {}
+    pending: dict[str, int] = {}  # started collective's output buffer -> calls since
+    gaps = []
+    for line in code[code.index("def call(") :].splitlines():
+        call = _CALL.match(line)
+        if call is None:
+            continue
+        out, namespace, op, first_arg = call.groups()
+        if namespace != "_c10d_functional":
+            pending = {buf: n + 1 for buf, n in pending.items()}
+            continue
+        counts[op] = counts.get(op, 0) + 1
+        if op == "wait_tensor" and first_arg in pending:
+            gaps.append(pending.pop(first_arg))
+        elif out:
+            pending[out] = 0
+    return counts, gaps
+
+
+def _train_with_passes(recipe: str) -> dict[str, Any]:
+    """fp32, blocks resharding after forward, inductor with a recipe's passes on."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    reference = copy.deepcopy(model)
+    _shard(model, mesh_1d(), reshard_after_forward=True)
+    # Cache off: a graph found in inductor's cache is not generated again, so its code would
+    # not reach run_and_get_code.
+    options = {**RECIPES[recipe], "fx_graph_cache": False}
+    run = torch.compile(model, fullgraph=True, options=options)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    rank, codes = torch.distributed.get_rank(), []
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 4)
+        mine = slice(2 * rank, 2 * rank + 2)
+        if step == 0:  # compiles forward and backward: keep both output modules
+            _, codes = run_and_get_code(_step, run, optim, tokens[mine], targets[mine])
+        else:
+            _step(run, optim, tokens[mine], targets[mine])
+        _step(reference, ref_optim, tokens, targets)
+    return {"diffs": param_diffs(model, reference), "code": [_code_collectives(c) for c in codes]}
+
+
+@pytest.mark.skipif("inductor" not in BACKENDS, reason="inductor only (nox -s soak)")
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_inductor_collective_passes_train_exactly(recipe: str) -> None:
+    """bucket: forward's three all-gathers become one, backward's two recomputed gathers one
+    and its three reduce-scatters one. reorder: the same collectives, started earlier or
+    waited on later (without the passes, torch 2.13 waits right after each collective).
+    Parameters within 1e-5 of the unsharded replica either way."""
+    for r in run_distributed(functools.partial(_train_with_passes, recipe), 2, timeout=600):
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        (fw, fw_gaps), (bw, bw_gaps) = r["code"]
+        if recipe == "bucket":
+            assert fw == {"all_gather_into_tensor_out": 1, "wait_tensor": 1}, fw
+            assert bw == {
+                "all_gather_into_tensor_out": 1,
+                "reduce_scatter_tensor": 1,
+                "wait_tensor": 2,
+            }, bw
+        else:
+            assert fw == {"all_gather_into_tensor": 3, "wait_tensor": 3}, fw
+            assert bw == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3, "wait_tensor": 5}
+            assert len(fw_gaps) == 3 and len(bw_gaps) == 5 and max(fw_gaps + bw_gaps) > 0
