@@ -238,6 +238,16 @@ def _mlp(vocab: int, dim: int, layers: int, frozen: str, batch: int, seq: int, *
 # allocation, which the replay did not (measured 6.6% over the budget); the engine now frees
 # it first, as the replay assumes.
 @example(spec=_mlp(640, 80, 5, "block", 3, 11, ffn=48, tie=False, mp=True), world=2, where=0.65)
+# A frozen embedding, the first block checkpointed (the feasible minimum): the block's input
+# needs no gradient, so nothing but the checkpoint keeps it, until the block's backward. The
+# replay freed it after the block's forward, as in the plain run (measured one hidden state,
+# 896 B, over the budget).
+@example(
+    spec={"kind": "transformer", "vocab": 37, "dim": 16, "layers": 2, "ffn": 24, "tie": False}
+    | {"frozen": "embedding", "mp": False, "batch": 2, "seq": 8},
+    world=2,
+    where=0.0,
+)
 @given(spec=specs, world=st.integers(1, 4), where=st.floats(0.0, 1.0))
 def test_predicted_peak_matches_memtracker_and_fits(
     spec: dict[str, Any], world: int, where: float

@@ -58,6 +58,13 @@ class Span:
         peak: highest (activation + gradient) bytes above the span's start.
         grads: gradient bytes each group gained, ``((group, bytes), ...)``.
         flops: FLOPs the span's ops perform (torch's formulas; ops without one count 0).
+        input_frees: bytes of blocks' forward inputs that died in the span,
+            ``((block, bytes), ...)`` (each input counted for the first block it entered).
+            When those bytes die depends on the block's own choice, not on the span's owner:
+            a checkpointed block keeps its inputs until its backward recomputes from them,
+            whether or not they need a gradient; a plain one only as long as something
+            saves them.
+        kept_peak: ``peak`` as if none of ``input_frees`` had died in the span.
     """
 
     owner: int
@@ -65,6 +72,8 @@ class Span:
     peak: int
     grads: tuple[tuple[int, int], ...]
     flops: int
+    input_frees: tuple[tuple[int, int], ...] = ()
+    kept_peak: int = 0
 
 
 Item = Mark | Span
@@ -152,6 +161,9 @@ class _Recorder:
     flops: int = 0
     grads: dict[int, int] = field(default_factory=dict)
     with_grad: set[int] = field(default_factory=set)
+    input_of: dict[int, int] = field(default_factory=dict)  # storage id -> first block it entered
+    input_frees: dict[int, int] = field(default_factory=dict)  # block -> bytes died in the span
+    kept_peak: int = 0
 
     def level(self) -> int:
         return self.live_act + self.live_grad
@@ -160,9 +172,12 @@ class _Recorder:
         delta = self.live_act - self.act_start
         # Always a span, empty or not: traces of one model align item by item.
         grads = tuple(sorted(self.grads.items()))
-        self.items.append(Span(self.owner, delta, self.peak, grads, self.flops))
+        frees = tuple(sorted(self.input_frees.items()))
+        kept = max(self.peak, self.kept_peak)
+        self.items.append(Span(self.owner, delta, self.peak, grads, self.flops, frees, kept))
         self.act_start, self.level_start = self.live_act, self.level()
         self.peak, self.flops, self.grads = 0, 0, {}
+        self.input_frees, self.kept_peak = {}, 0
 
     def mark(self, kind: MarkKind, group: int, owner: int) -> None:
         self.close_span()
@@ -170,7 +185,15 @@ class _Recorder:
         self.owner = owner
 
     def sample(self) -> None:
-        self.peak = max(self.peak, self.level() - self.level_start)
+        above = self.level() - self.level_start
+        self.peak = max(self.peak, above)
+        self.kept_peak = max(self.kept_peak, above + sum(self.input_frees.values()))
+
+    def entered(self, block: int, t: torch.Tensor) -> None:
+        """``t`` is a forward input of ``block``: note its storage, if an op made it."""
+        key = id(t.untyped_storage())
+        if key in self.tracked and self.tracked[key][2] == "act":
+            self.input_of.setdefault(key, block)
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -189,6 +212,9 @@ class _Recorder:
             self.live_grad -= entry[1]
         else:
             self.live_act -= entry[1]
+        block = self.input_of.pop(key, None)
+        if block is not None:
+            self.input_frees[block] = self.input_frees.get(block, 0) + entry[1]
 
     def grad_arrived(self, p: torch.Tensor) -> None:
         grad = p.grad
@@ -313,6 +339,9 @@ def run_trace(
             a, kw = _map((a, kw), lambda t: t.to(dtype) if t.is_floating_point() else t)
         needing = [t for t in _tensors((a, kw)) if t.requires_grad]
         inputs_need_grad[g] = bool(needing) or inputs_need_grad[g]
+        if g:
+            for t in _tensors((a, kw)):
+                rec.entered(g, t)
         if not needing or not torch.is_grad_enabled():
             return (a, kw)
         passed = _Boundary.apply(lambda: rec.mark("bwd_end", g, 0), *needing)  # type: ignore[no-untyped-call]  # torch leaves it untyped

@@ -344,19 +344,31 @@ def simulate(
         reduce_grads(g)
         reshard(g)
 
-    def span_of(item: Span, k: int) -> Span:
-        owner = item.owner
-        if owner and choice.checkpoint[owner] and model.checkpointed is not None:
-            other = model.checkpointed.items[k]
-            if isinstance(other, Span):
-                return other
-        return item
+    def checkpointed(g: int) -> bool:
+        return bool(g) and choice.checkpoint[g] and model.checkpointed is not None
+
+    def span_of(item: Span, k: int) -> tuple[Span, int, int]:
+        """The span's items from the trace of its owner's choice, and its (delta, peak) with
+        each block's inputs dying as in the trace of that block's choice."""
+        other = model.checkpointed.items[k] if model.checkpointed is not None else item
+        if not isinstance(other, Span):
+            return item, item.delta, item.peak
+        own = checkpointed(item.owner)
+        span, alt = (other, item) if own else (item, other)
+        delta, kept = span.delta, False
+        for g, n in span.input_frees:
+            if checkpointed(g) != own:  # that block keeps them, or frees them elsewhere
+                delta, kept = delta + n, True
+        for g, n in alt.input_frees:
+            if checkpointed(g) != own:
+                delta -= n
+        return span, delta, span.kept_peak if kept else span.peak
 
     for k, item in enumerate(model.plain.items):
         if isinstance(item, Span):
-            span = span_of(item, k)
-            led.check(span.peak)
-            led.add("activations", span.delta)
+            span, delta, peak = span_of(item, k)
+            led.check(peak)
+            led.add("activations", delta)
             for g, n in span.grads:
                 grads_live[g] += n
                 led.add("unsharded gradients", n)
