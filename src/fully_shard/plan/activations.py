@@ -90,7 +90,10 @@ class Trace:
         inputs_need_grad: per group, whether any of its forward inputs needed one (else its
             post-backward waits for the end of the backward pass).
         params_with_grad: indices (into the planner's parameter list) that received one.
-        input_bytes: bytes of the example inputs.
+        input_bytes: bytes of the example inputs, and of any tensor from outside the replica
+            that an op reached (the targets a loss function closes over, a tensor a module
+            keeps as a plain attribute), at its own size: what a training loop holds through
+            its step.
     """
 
     items: tuple[Item, ...]
@@ -164,6 +167,7 @@ class _Recorder:
     input_of: dict[int, int] = field(default_factory=dict)  # storage id -> first block it entered
     input_frees: dict[int, int] = field(default_factory=dict)  # block -> bytes died in the span
     kept_peak: int = 0
+    captured: dict[int, int] = field(default_factory=dict)  # storage id -> bytes reached
 
     def level(self) -> int:
         return self.live_act + self.live_grad
@@ -188,6 +192,13 @@ class _Recorder:
         above = self.level() - self.level_start
         self.peak = max(self.peak, above)
         self.kept_peak = max(self.kept_peak, above + sum(self.input_frees.values()))
+
+    def reached(self, t: torch.Tensor) -> None:
+        """``t`` goes into an op: one no op made and the planner did not place (a real tensor
+        the loss function closes over, such as its targets) is held through the step."""
+        key = id(t.untyped_storage())
+        if key not in self.static and key not in self.tracked:
+            self.captured[key] = max(self.captured.get(key, 0), t.numel() * t.element_size())
 
     def entered(self, block: int, t: torch.Tensor) -> None:
         """``t`` is a forward input of ``block``: note its storage, if an op made it."""
@@ -239,6 +250,8 @@ class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leave
         self.rec = rec
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for t in _tensors((args, kwargs)):
+            self.rec.reached(t)
         out = func(*args, **(kwargs or {}))
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
@@ -316,6 +329,10 @@ def run_trace(
     """
     group_of_param = {id(p): (owner_of_param[i], i) for i, p in enumerate(params)}
     rec = _Recorder(group_of_param)
+    for p in params:
+        # Gradients left by an earlier trace of the replica: every step starts without
+        # (``zero_grad(set_to_none=True)``), and they are no tensor of this trace.
+        p.grad = None
     n = len(blocks) + 1
     outputs_need_grad = [False] * n
     inputs_need_grad = [False] * n
@@ -396,5 +413,5 @@ def run_trace(
         tuple(outputs_need_grad),
         tuple(inputs_need_grad),
         frozenset(rec.with_grad),
-        input_bytes,
+        input_bytes + sum(rec.captured.values()),
     )
