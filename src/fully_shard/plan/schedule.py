@@ -355,13 +355,14 @@ def simulate(
             return item, item.delta, item.peak
         own = checkpointed(item.owner)
         span, alt = (other, item) if own else (item, other)
-        delta, kept = span.delta, False
-        for g, n in span.input_frees:
-            if checkpointed(g) != own:  # that block keeps them, or frees them elsewhere
-                delta, kept = delta + n, True
+        moved = dict(span.input_frees)  # block -> bytes this span frees that it should not
         for g, n in alt.input_frees:
-            if checkpointed(g) != own:
-                delta -= n
+            moved[g] = moved.get(g, 0) - n
+        moved = {g: n for g, n in moved.items() if n and checkpointed(g) != own}
+        delta = span.delta + sum(moved.values())
+        # Frees taken back: the span's own peak, as if its inputs' frees had not happened (a
+        # bound); frees added: the span's peak stands (a bound too).
+        kept = any(n > 0 for n in moved.values())
         return span, delta, span.kept_peak if kept else span.peak
 
     for k, item in enumerate(model.plain.items):
