@@ -235,7 +235,8 @@ def simulate(
         led.add("optimizer", opt)
     led.add("inputs and buffers", model.plain.input_bytes + model.buffer_bytes)
 
-    reducing: list[tuple[int, int, int, int, int]] = []  # (g, in, out, grad_dev, grad_host)
+    # (g, in, out, aliased grad, copied grads, host grads): what each pending reduce holds
+    reducing: list[tuple[int, int, int, int, int, int]] = []
     grads_live = [0] * ng
     forward_order: list[int] = []
     post_forward_order: list[int] = []
@@ -307,12 +308,15 @@ def simulate(
         i = post_forward_order.index(g)
         return post_forward_order[i - 1 : i] if i > 0 else []
 
-    def finish_reduce(entry: tuple[int, int, int, int, int]) -> None:
-        _, flat_in, out, grad_dev, grad_host = entry
-        led.add("gradients", grad_dev)
+    def finish_reduce(entry: tuple[int, int, int, int, int, int]) -> None:
+        _, flat_in, out, aliased, copied, grad_host = entry
+        # Cast or moved gradients are copied out of the result while both buffers live; the
+        # buffers go, but for the result the aliasing .grad keeps (no new bytes: a move).
+        led.add("gradients", copied)
         if offload:
             led.add_host(grad_host)
         led.add("reduce buffers", -flat_in - out)
+        led.add("gradients", aliased)
 
     def reduce_grads(g: int) -> None:
         packed = [i for i in groups[g].params if i in with_grad]
@@ -331,9 +335,9 @@ def simulate(
         result = flat_in if world == 1 else out
         alias = [i for i in packed if params[i].orig_itemsize == red and not offload]
         copies = [i for i in packed if i not in alias]
-        grad_dev = (result if alias else 0) + (0 if offload else sum(map(local_bytes, copies)))
+        copied = 0 if offload else sum(map(local_bytes, copies))
         grad_host = sum(map(local_bytes, packed)) if offload else 0
-        reducing.append((g, flat_in, out, grad_dev, grad_host))
+        reducing.append((g, flat_in, out, result if alias else 0, copied, grad_host))
 
     def post_backward(g: int) -> None:
         grp = groups[g]
