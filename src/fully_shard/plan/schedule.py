@@ -20,7 +20,8 @@ reduce-scatter buffers      ``W * total`` in + ``total`` out (reduce dtype), fro
 sharded gradients           the ``total`` output itself (``.grad`` views it when the reduce
                             dtype is the parameter dtype) or a copy, until ``zero_grad``
 optimizer state             per trainable parameter, from the first step on
-optimizer temporaries       AdamW's ``sqrt`` and divide on the largest shard
+optimizer temporaries       AdamW's ``sqrt`` and divide on a shard, and the previous
+                            shard's result (one parameter at a time, in order)
 ==========================  ============================================================
 
 One shard rank (W=1) is the engine's fast path: a plain parameter in its own dtype on the
@@ -423,12 +424,15 @@ def simulate(
                 finish_reduce(reducing.pop(0))
             for s in range(ng):
                 reshard(s)
-    # Optimizer step: shards, gradients and state are all there; AdamW's sqrt and divide
-    # make two temporaries the size of the largest shard.
+    # Optimizer step: shards, gradients and state are all there. AdamW goes parameter by
+    # parameter (in the model's order, those with a gradient): its sqrt and divide make two
+    # temporaries the size of the shard, while the previous parameter's result (``denom``)
+    # lives until the new one replaces it.
     led.phase = "optimizer step"
     temp = 0
     if model.adam_temporaries:
-        temp = 2 * max((local_bytes(i) for i in with_grad), default=0)
+        sizes = [local_bytes(i) for i in sorted(with_grad)]
+        temp = max((prev + 2 * n for prev, n in zip([0, *sizes], sizes, strict=False)), default=0)
     if offload:
         led.add_host(temp)
         led.add_host(-temp)
