@@ -41,6 +41,7 @@ from fully_shard import (
 from fully_shard.plan import CheckpointedBlock, Plan, parse_bytes
 from fully_shard.plan import _trace_shortened as trace_shortened
 from fully_shard.plan.activations import fake_mode, fake_replica, run_trace, to_fake
+from fully_shard.plan.schedule import adam_temporaries
 from harness import mesh_1d, run_distributed
 from models import ModelArgs, Transformer
 
@@ -409,6 +410,23 @@ def _sharded_rank() -> str:
 
 def test_sharded_model_is_refused() -> None:
     assert "already sharded" in run_distributed(_sharded_rank, 1)[0]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_step_temporaries_are_what_torchs_adamw_allocates(foreach: bool) -> None:
+    sizes = [100, 300, 50, 7, 300]
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    optim = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim.step()  # the state exists from here on, as in every step the planner replays
+    tracker = MemTracker()
+    tracker.track_external(*params, optim)
+    with tracker:
+        before = sum(d["Total"] for d in tracker.get_tracker_snapshot().values())
+        optim.step()
+    peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    assert peak - before == adam_temporaries([(4, 4 * n) for n in sizes], foreach)
 
 
 def test_parse_bytes() -> None:

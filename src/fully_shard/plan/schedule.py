@@ -21,7 +21,8 @@ sharded gradients           the ``total`` output itself (``.grad`` views it when
                             dtype is the parameter dtype) or a copy, until ``zero_grad``
 optimizer state             per trainable parameter, from the first step on
 optimizer temporaries       AdamW's ``sqrt`` and divide on a shard, and the previous
-                            shard's result (one parameter at a time, in order)
+                            shard's result (one parameter at a time, in order); with the
+                            foreach kernels (accelerator) a ``sqrt`` of every shard at once
 ==========================  ============================================================
 
 One shard rank (W=1) is the engine's fast path: a plain parameter in its own dtype on the
@@ -141,6 +142,32 @@ class _Ledger:
     def add_host(self, n: int) -> None:
         self.host += n
         self.host_peak = max(self.host_peak, self.host)
+
+
+def adam_temporaries(shards: Sequence[tuple[int, int]], foreach: bool) -> int:
+    """Peak bytes of ``torch.optim.AdamW``'s temporaries in its step.
+
+    ``shards``: ``(dtype key, local bytes)`` of each parameter with a gradient, in order. The
+    per-parameter loop (torch's default on CPU) makes a ``sqrt`` and a division the size of
+    each shard while the previous parameter's result is still bound; the foreach kernels
+    (its default on CUDA) make one ``sqrt`` per shard of a dtype at once, the previous
+    dtype's list still bound.
+
+    Example:
+        >>> adam_temporaries([(4, 100), (4, 300), (4, 50)], foreach=False)
+        700
+        >>> adam_temporaries([(4, 100), (4, 300), (4, 50)], foreach=True)
+        450
+    """
+    if foreach:
+        by_dtype: dict[int, int] = {}
+        for key, n in shards:
+            by_dtype[key] = by_dtype.get(key, 0) + n
+        sizes, factor = list(by_dtype.values()), 1
+    else:
+        sizes, factor = [n for _, n in shards], 2
+    pairs = zip([0, *sizes], sizes, strict=False)
+    return max((prev + factor * n for prev, n in pairs), default=0)
 
 
 def _layout(p: ParamInfo, world: int, rank: int) -> tuple[int, int, int]:
@@ -424,15 +451,13 @@ def simulate(
                 finish_reduce(reducing.pop(0))
             for s in range(ng):
                 reshard(s)
-    # Optimizer step: shards, gradients and state are all there. AdamW goes parameter by
-    # parameter (in the model's order, those with a gradient): its sqrt and divide make two
-    # temporaries the size of the shard, while the previous parameter's result (``denom``)
-    # lives until the new one replaces it.
+    # Optimizer step: shards, gradients and state are all there, and AdamW's temporaries.
     led.phase = "optimizer step"
     temp = 0
     if model.adam_temporaries:
-        sizes = [local_bytes(i) for i in sorted(with_grad)]
-        temp = max((prev + 2 * n for prev, n in zip([0, *sizes], sizes, strict=False)), default=0)
+        stepped = [(params[i].orig_itemsize, local_bytes(i)) for i in sorted(with_grad)]
+        # torch's default: the foreach kernels where the parameters live on an accelerator
+        temp = adam_temporaries(stepped, foreach=not device_is_host and not offload)
     if offload:
         led.add_host(temp)
         led.add_host(-temp)
