@@ -97,7 +97,9 @@ def _rank_main(rank: int, world: int, size: str, steps: int, port: int) -> None:
         return Llama(cfg)
 
     tokens = batches[0]
-    targets = tokens[:, 1:]
+    # The planner counts the targets its loss closes over as held through the step, as the
+    # tracked steps hold theirs (a contiguous copy, so that flattening them copies nothing).
+    targets = tokens[:, 1:].contiguous()
     common: dict[str, Any] = {
         "example_inputs": (tokens[:, :-1],),
         "mesh": mesh,

@@ -41,6 +41,7 @@ from fully_shard import (
 from fully_shard.plan import CheckpointedBlock, Plan, parse_bytes
 from fully_shard.plan import _trace_shortened as trace_shortened
 from fully_shard.plan.activations import fake_mode, fake_replica, run_trace, to_fake
+from fully_shard.plan.schedule import adam_temporaries
 from harness import mesh_1d, run_distributed
 from models import ModelArgs, Transformer
 
@@ -238,6 +239,16 @@ def _mlp(vocab: int, dim: int, layers: int, frozen: str, batch: int, seq: int, *
 # allocation, which the replay did not (measured 6.6% over the budget); the engine now frees
 # it first, as the replay assumes.
 @example(spec=_mlp(640, 80, 5, "block", 3, 11, ffn=48, tie=False, mp=True), world=2, where=0.65)
+# A frozen embedding, the first block checkpointed (the feasible minimum): the block's input
+# needs no gradient, so nothing but the checkpoint keeps it, until the block's backward. The
+# replay freed it after the block's forward, as in the plain run (measured one hidden state,
+# 896 B, over the budget).
+@example(
+    spec={"kind": "transformer", "vocab": 37, "dim": 16, "layers": 2, "ffn": 24, "tie": False}
+    | {"frozen": "embedding", "mp": False, "batch": 2, "seq": 8},
+    world=1,
+    where=0.0,
+)
 @given(spec=specs, world=st.integers(1, 4), where=st.floats(0.0, 1.0))
 def test_predicted_peak_matches_memtracker_and_fits(
     spec: dict[str, Any], world: int, where: float
@@ -399,6 +410,23 @@ def _sharded_rank() -> str:
 
 def test_sharded_model_is_refused() -> None:
     assert "already sharded" in run_distributed(_sharded_rank, 1)[0]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_step_temporaries_are_what_torchs_adamw_allocates(foreach: bool) -> None:
+    sizes = [100, 300, 50, 7, 300]
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    optim = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim.step()  # the state exists from here on, as in every step the planner replays
+    tracker = MemTracker()
+    tracker.track_external(*params, optim)
+    with tracker:
+        before = sum(d["Total"] for d in tracker.get_tracker_snapshot().values())
+        optim.step()
+    peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    assert peak - before == adam_temporaries([(4, 4 * n) for n in sizes], foreach)
 
 
 def test_parse_bytes() -> None:

@@ -58,6 +58,13 @@ class Span:
         peak: highest (activation + gradient) bytes above the span's start.
         grads: gradient bytes each group gained, ``((group, bytes), ...)``.
         flops: FLOPs the span's ops perform (torch's formulas; ops without one count 0).
+        input_frees: bytes of blocks' forward inputs that died in the span,
+            ``((block, bytes), ...)`` (each input counted for the first block it entered).
+            When those bytes die depends on the block's own choice, not on the span's owner:
+            a checkpointed block keeps its inputs until its backward recomputes from them,
+            whether or not they need a gradient; a plain one only as long as something
+            saves them.
+        kept_peak: ``peak`` as if none of ``input_frees`` had died in the span.
     """
 
     owner: int
@@ -65,6 +72,8 @@ class Span:
     peak: int
     grads: tuple[tuple[int, int], ...]
     flops: int
+    input_frees: tuple[tuple[int, int], ...] = ()
+    kept_peak: int = 0
 
 
 Item = Mark | Span
@@ -81,7 +90,10 @@ class Trace:
         inputs_need_grad: per group, whether any of its forward inputs needed one (else its
             post-backward waits for the end of the backward pass).
         params_with_grad: indices (into the planner's parameter list) that received one.
-        input_bytes: bytes of the example inputs.
+        input_bytes: bytes of the example inputs, and of any tensor from outside the replica
+            that an op reached (the targets a loss function closes over, a tensor a module
+            keeps as a plain attribute), at its own size: what a training loop holds through
+            its step.
     """
 
     items: tuple[Item, ...]
@@ -152,6 +164,10 @@ class _Recorder:
     flops: int = 0
     grads: dict[int, int] = field(default_factory=dict)
     with_grad: set[int] = field(default_factory=set)
+    input_of: dict[int, int] = field(default_factory=dict)  # storage id -> first block it entered
+    input_frees: dict[int, int] = field(default_factory=dict)  # block -> bytes died in the span
+    kept_peak: int = 0
+    captured: dict[int, int] = field(default_factory=dict)  # storage id -> bytes reached
 
     def level(self) -> int:
         return self.live_act + self.live_grad
@@ -160,9 +176,12 @@ class _Recorder:
         delta = self.live_act - self.act_start
         # Always a span, empty or not: traces of one model align item by item.
         grads = tuple(sorted(self.grads.items()))
-        self.items.append(Span(self.owner, delta, self.peak, grads, self.flops))
+        frees = tuple(sorted(self.input_frees.items()))
+        kept = max(self.peak, self.kept_peak)
+        self.items.append(Span(self.owner, delta, self.peak, grads, self.flops, frees, kept))
         self.act_start, self.level_start = self.live_act, self.level()
         self.peak, self.flops, self.grads = 0, 0, {}
+        self.input_frees, self.kept_peak = {}, 0
 
     def mark(self, kind: MarkKind, group: int, owner: int) -> None:
         self.close_span()
@@ -170,7 +189,22 @@ class _Recorder:
         self.owner = owner
 
     def sample(self) -> None:
-        self.peak = max(self.peak, self.level() - self.level_start)
+        above = self.level() - self.level_start
+        self.peak = max(self.peak, above)
+        self.kept_peak = max(self.kept_peak, above + sum(self.input_frees.values()))
+
+    def reached(self, t: torch.Tensor) -> None:
+        """``t`` goes into an op: one no op made and the planner did not place (a real tensor
+        the loss function closes over, such as its targets) is held through the step."""
+        key = id(t.untyped_storage())
+        if key not in self.static and key not in self.tracked:
+            self.captured[key] = max(self.captured.get(key, 0), t.numel() * t.element_size())
+
+    def entered(self, block: int, t: torch.Tensor) -> None:
+        """``t`` is a forward input of ``block``: note its storage, if an op made it."""
+        key = id(t.untyped_storage())
+        if key in self.tracked and self.tracked[key][2] == "act":
+            self.input_of.setdefault(key, block)
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -189,6 +223,9 @@ class _Recorder:
             self.live_grad -= entry[1]
         else:
             self.live_act -= entry[1]
+        block = self.input_of.pop(key, None)
+        if block is not None:
+            self.input_frees[block] = self.input_frees.get(block, 0) + entry[1]
 
     def grad_arrived(self, p: torch.Tensor) -> None:
         grad = p.grad
@@ -213,6 +250,8 @@ class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leave
         self.rec = rec
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for t in _tensors((args, kwargs)):
+            self.rec.reached(t)
         out = func(*args, **(kwargs or {}))
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
@@ -290,6 +329,10 @@ def run_trace(
     """
     group_of_param = {id(p): (owner_of_param[i], i) for i, p in enumerate(params)}
     rec = _Recorder(group_of_param)
+    for p in params:
+        # Gradients left by an earlier trace of the replica: every step starts without
+        # (``zero_grad(set_to_none=True)``), and they are no tensor of this trace.
+        p.grad = None
     n = len(blocks) + 1
     outputs_need_grad = [False] * n
     inputs_need_grad = [False] * n
@@ -313,6 +356,9 @@ def run_trace(
             a, kw = _map((a, kw), lambda t: t.to(dtype) if t.is_floating_point() else t)
         needing = [t for t in _tensors((a, kw)) if t.requires_grad]
         inputs_need_grad[g] = bool(needing) or inputs_need_grad[g]
+        if g:
+            for t in _tensors((a, kw)):
+                rec.entered(g, t)
         if not needing or not torch.is_grad_enabled():
             return (a, kw)
         passed = _Boundary.apply(lambda: rec.mark("bwd_end", g, 0), *needing)  # type: ignore[no-untyped-call]  # torch leaves it untyped
@@ -367,5 +413,5 @@ def run_trace(
         tuple(outputs_need_grad),
         tuple(inputs_need_grad),
         frozenset(rec.with_grad),
-        input_bytes,
+        input_bytes + sum(rec.captured.values()),
     )

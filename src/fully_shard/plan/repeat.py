@@ -120,7 +120,9 @@ def _regroup(item: Item, mapping: dict[int, int]) -> Item:
     if isinstance(item, Mark):
         return Mark(item.kind, mapping.get(item.group, item.group))
     grads = tuple(sorted((mapping.get(g, g), n) for g, n in item.grads))
-    return dataclasses.replace(item, owner=mapping.get(item.owner, item.owner), grads=grads)
+    frees = tuple(sorted((mapping.get(g, g), n) for g, n in item.input_frees))
+    owner = mapping.get(item.owner, item.owner)
+    return dataclasses.replace(item, owner=owner, grads=grads, input_frees=frees)
 
 
 def _groups(items: Sequence[Item]) -> set[int]:
@@ -131,6 +133,7 @@ def _groups(items: Sequence[Item]) -> set[int]:
         else:
             out.add(item.owner)
             out.update(g for g, _ in item.grads)
+            out.update(g for g, _ in item.input_frees)
     return out
 
 

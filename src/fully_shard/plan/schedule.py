@@ -20,7 +20,9 @@ reduce-scatter buffers      ``W * total`` in + ``total`` out (reduce dtype), fro
 sharded gradients           the ``total`` output itself (``.grad`` views it when the reduce
                             dtype is the parameter dtype) or a copy, until ``zero_grad``
 optimizer state             per trainable parameter, from the first step on
-optimizer temporaries       AdamW's ``sqrt`` and divide on the largest shard
+optimizer temporaries       AdamW's ``sqrt`` and divide on a shard, and the previous
+                            shard's result (one parameter at a time, in order); with the
+                            foreach kernels (accelerator) a ``sqrt`` of every shard at once
 ==========================  ============================================================
 
 One shard rank (W=1) is the engine's fast path: a plain parameter in its own dtype on the
@@ -142,6 +144,32 @@ class _Ledger:
         self.host_peak = max(self.host_peak, self.host)
 
 
+def adam_temporaries(shards: Sequence[tuple[int, int]], foreach: bool) -> int:
+    """Peak bytes of ``torch.optim.AdamW``'s temporaries in its step.
+
+    ``shards``: ``(dtype key, local bytes)`` of each parameter with a gradient, in order. The
+    per-parameter loop (torch's default on CPU) makes a ``sqrt`` and a division the size of
+    each shard while the previous parameter's result is still bound; the foreach kernels
+    (its default on CUDA) make one ``sqrt`` per shard of a dtype at once, the previous
+    dtype's list still bound.
+
+    Example:
+        >>> adam_temporaries([(4, 100), (4, 300), (4, 50)], foreach=False)
+        700
+        >>> adam_temporaries([(4, 100), (4, 300), (4, 50)], foreach=True)
+        450
+    """
+    if foreach:
+        by_dtype: dict[int, int] = {}
+        for key, n in shards:
+            by_dtype[key] = by_dtype.get(key, 0) + n
+        sizes, factor = list(by_dtype.values()), 1
+    else:
+        sizes, factor = [n for _, n in shards], 2
+    pairs = zip([0, *sizes], sizes, strict=False)
+    return max((prev + factor * n for prev, n in pairs), default=0)
+
+
 def _layout(p: ParamInfo, world: int, rank: int) -> tuple[int, int, int]:
     """(chunk, local_rows, rest) of ``p`` split over ``world`` ranks (``ShardLayout``)."""
     d0, rest = p.rows_rest()
@@ -235,7 +263,8 @@ def simulate(
         led.add("optimizer", opt)
     led.add("inputs and buffers", model.plain.input_bytes + model.buffer_bytes)
 
-    reducing: list[tuple[int, int, int, int, int]] = []  # (g, in, out, grad_dev, grad_host)
+    # (g, in, out, aliased grad, copied grads, host grads): what each pending reduce holds
+    reducing: list[tuple[int, int, int, int, int, int]] = []
     grads_live = [0] * ng
     forward_order: list[int] = []
     post_forward_order: list[int] = []
@@ -307,12 +336,15 @@ def simulate(
         i = post_forward_order.index(g)
         return post_forward_order[i - 1 : i] if i > 0 else []
 
-    def finish_reduce(entry: tuple[int, int, int, int, int]) -> None:
-        _, flat_in, out, grad_dev, grad_host = entry
-        led.add("gradients", grad_dev)
+    def finish_reduce(entry: tuple[int, int, int, int, int, int]) -> None:
+        _, flat_in, out, aliased, copied, grad_host = entry
+        # Cast or moved gradients are copied out of the result while both buffers live; the
+        # buffers go, but for the result the aliasing .grad keeps (no new bytes: a move).
+        led.add("gradients", copied)
         if offload:
             led.add_host(grad_host)
         led.add("reduce buffers", -flat_in - out)
+        led.add("gradients", aliased)
 
     def reduce_grads(g: int) -> None:
         packed = [i for i in groups[g].params if i in with_grad]
@@ -331,9 +363,9 @@ def simulate(
         result = flat_in if world == 1 else out
         alias = [i for i in packed if params[i].orig_itemsize == red and not offload]
         copies = [i for i in packed if i not in alias]
-        grad_dev = (result if alias else 0) + (0 if offload else sum(map(local_bytes, copies)))
+        copied = 0 if offload else sum(map(local_bytes, copies))
         grad_host = sum(map(local_bytes, packed)) if offload else 0
-        reducing.append((g, flat_in, out, grad_dev, grad_host))
+        reducing.append((g, flat_in, out, result if alias else 0, copied, grad_host))
 
     def post_backward(g: int) -> None:
         grp = groups[g]
@@ -344,19 +376,32 @@ def simulate(
         reduce_grads(g)
         reshard(g)
 
-    def span_of(item: Span, k: int) -> Span:
-        owner = item.owner
-        if owner and choice.checkpoint[owner] and model.checkpointed is not None:
-            other = model.checkpointed.items[k]
-            if isinstance(other, Span):
-                return other
-        return item
+    def checkpointed(g: int) -> bool:
+        return bool(g) and choice.checkpoint[g] and model.checkpointed is not None
+
+    def span_of(item: Span, k: int) -> tuple[Span, int, int]:
+        """The span's items from the trace of its owner's choice, and its (delta, peak) with
+        each block's inputs dying as in the trace of that block's choice."""
+        other = model.checkpointed.items[k] if model.checkpointed is not None else item
+        if not isinstance(other, Span):
+            return item, item.delta, item.peak
+        own = checkpointed(item.owner)
+        span, alt = (other, item) if own else (item, other)
+        moved = dict(span.input_frees)  # block -> bytes this span frees that it should not
+        for g, n in alt.input_frees:
+            moved[g] = moved.get(g, 0) - n
+        moved = {g: n for g, n in moved.items() if n and checkpointed(g) != own}
+        delta = span.delta + sum(moved.values())
+        # Frees taken back: the span's own peak, as if its inputs' frees had not happened (a
+        # bound); frees added: the span's peak stands (a bound too).
+        kept = any(n > 0 for n in moved.values())
+        return span, delta, span.kept_peak if kept else span.peak
 
     for k, item in enumerate(model.plain.items):
         if isinstance(item, Span):
-            span = span_of(item, k)
-            led.check(span.peak)
-            led.add("activations", span.delta)
+            span, delta, peak = span_of(item, k)
+            led.check(peak)
+            led.add("activations", delta)
             for g, n in span.grads:
                 grads_live[g] += n
                 led.add("unsharded gradients", n)
@@ -406,12 +451,13 @@ def simulate(
                 finish_reduce(reducing.pop(0))
             for s in range(ng):
                 reshard(s)
-    # Optimizer step: shards, gradients and state are all there; AdamW's sqrt and divide
-    # make two temporaries the size of the largest shard.
+    # Optimizer step: shards, gradients and state are all there, and AdamW's temporaries.
     led.phase = "optimizer step"
     temp = 0
     if model.adam_temporaries:
-        temp = 2 * max((local_bytes(i) for i in with_grad), default=0)
+        stepped = [(params[i].orig_itemsize, local_bytes(i)) for i in sorted(with_grad)]
+        # torch's default: the foreach kernels where the parameters live on an accelerator
+        temp = adam_temporaries(stepped, foreach=not device_is_host and not offload)
     if offload:
         led.add_host(temp)
         led.add_host(-temp)
