@@ -46,9 +46,11 @@ def _live_tensor_bytes() -> int:
             if not isinstance(obj, torch.Tensor) or isinstance(obj, DTensor):
                 continue
             storage = obj.untyped_storage()
+            key = storage.data_ptr() or id(storage)
         except Exception:  # objects that fail isinstance/storage probing are not tensors we own
+            # (e.g. the fake tensors an earlier compile or plan in this process left to gc)
             continue
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        seen[key] = storage.nbytes()
     return sum(seen.values())
 
 
