@@ -22,6 +22,11 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 
 CONSTRAINTS = ("-c", "constraints.txt")
 TORCH_LATEST = "2.14.1"  # the newest torch release the suite has been run on
+# Two pytest workers (pytest-xdist), each with its own warm pools of ranks: one worker leaves
+# a core idle while its test waits (a W=1 job, a subprocess importing torch, a rank waiting
+# out a timeout), and the other fills it. More workers than cores only adds contention: each
+# job already runs up to 4 ranks. ``-- -n 0`` runs the tests in one process.
+WORKERS = ("-n", "2", "--dist", "worksteal")
 LINTED = ("src", "tests", "benchmarks", "examples", "noxfile.py")
 
 
@@ -39,7 +44,7 @@ def tests(session: nox.Session) -> None:
     constraints.txt).
     """
     session.install("-e", ".[test,hf]", *CONSTRAINTS)
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *WORKERS, *session.posargs)
 
 
 @nox.session
@@ -57,7 +62,7 @@ def tests_torch_latest(session: nox.Session) -> None:
     session.install(f"torch=={TORCH_LATEST}", "-c", str(constraints))
     session.install("-e", ".[test,hf]", "-c", str(constraints))
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *WORKERS, *session.posargs)
 
 
 @nox.session
@@ -123,4 +128,4 @@ def soak(session: nox.Session) -> None:
     tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
     tests += ("tests/test_resume.py", "tests/test_parity.py", "tests/test_pipelining.py")
     tests += ("tests/test_3d.py", "tests/test_multinode.py")
-    session.run("pytest", *tests, *session.posargs, env=env)
+    session.run("pytest", *WORKERS, *tests, *session.posargs, env=env)
