@@ -14,6 +14,8 @@ builds the same model from the same seed once per implementation:
   run of any of them is measured against;
 * ``ours-graph`` -- ours sharded the same way, then ``torch.compile(model, fullgraph=True)``:
   the whole step in one graph, collectives included (``fully_shard.graph``);
+  ``ours-graph-reorder`` (inductor only) adds inductor's reordering passes (the ``reorder``
+  recipe of docs/recipes/compile.md: each collective starts earlier and is waited for later);
 * ``fsdp2-compiled`` -- torchtitan's order for torch's FSDP2: each block
   ``torch.compile(block, fullgraph=True)``, then ``fully_shard`` on the compiled blocks and the
   root (the hooks run eagerly between the blocks' graphs);
@@ -88,15 +90,26 @@ IMPLS = (
     "ours-nogather",
     "plain",
     "ours-graph",
+    "ours-graph-reorder",
     "fsdp2-compiled",
     "ddp-compiled",
 )
 DEFAULT_IMPLS = IMPLS[:4]
-OURS = ("ours", "ours-int8", "ours-nogather", "ours-graph")
+OURS = ("ours", "ours-int8", "ours-nogather", "ours-graph", "ours-graph-reorder")
 ZERO3 = (*OURS, "fsdp2", "fsdp2-compiled")
 # Compiled with torch.compile (--compile-backend): their collectives are in the compiled code,
 # where no Comm can count them, so their bytes are not measured.
-COMPILED = ("ours-graph", "fsdp2-compiled", "ddp-compiled")
+COMPILED = ("ours-graph", "ours-graph-reorder", "fsdp2-compiled", "ddp-compiled")
+# docs/recipes/compile.md's "reorder": inductor's passes that start each collective earlier
+# and wait for it later (torch 2.13 runs none of them unless they are listed).
+REORDER = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_compute_for_overlap",
+        "sink_waits",
+        "raise_comms",
+    ],
+}
 PHASES = ("forward", "backward", "optimizer")
 LABELS = {
     "ours": "fully_shard (ours)",
@@ -106,6 +119,7 @@ LABELS = {
     "ours-nogather": "ours, no-op gathers",
     "plain": "unsharded, no wrapper",
     "ours-graph": "ours, one graph",
+    "ours-graph-reorder": "ours, graph reord.",
     "fsdp2-compiled": "FSDP2, blocks comp.",
     "ddp-compiled": "DDP, compiled",
 }
@@ -406,6 +420,12 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
         optim = _adamw(model, ctx)
         if impl == "ours-graph":
             model = torch.compile(model, backend=compile_backend, fullgraph=True)  # type: ignore[assignment]
+        elif impl == "ours-graph-reorder":
+            if compile_backend != "inductor":
+                raise ValueError(
+                    "ours-graph-reorder: inductor's passes need --compile-backend inductor"
+                )
+            model = torch.compile(model, fullgraph=True, options=REORDER)  # type: ignore[assignment]
         return model, optim
     elif impl in ("ddp", "ddp-compiled"):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -939,7 +959,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
             continue
         ours = impls[mine]
         others = ("fsdp2", "ddp", "plain") if mine == "ours" else ("ours", "fsdp2", "ddp")
-        if mine == "ours-graph":
+        if mine.startswith("ours-graph"):
             others = ("ours", "fsdp2-compiled", "ddp-compiled")
         for other in others:
             if other in impls:
@@ -953,6 +973,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
         ("ours-graph", "ours"),
         ("ours-graph", "fsdp2-compiled"),
         ("ours-graph", "ddp-compiled"),
+        ("ours-graph-reorder", "ours-graph"),
     ]
     for mine, other in pairs:
         if mine in impls and other in impls and f"{mine}/{other}" not in ratios:
