@@ -85,14 +85,20 @@ SHUTDOWN_TIMEOUT_S = 5.0
 #: Imported once by the forkserver, before it forks any rank, so that no new rank imports them
 #: again. ``torch._dynamo``: the first optimizer step in a process imports it (about 1 s of CPU
 #: per rank); ``fully_shard``: every job uses it (about 500 modules); DCP: the checkpoint tests
-#: and examples. Pools are started 13 times in the suite (one per world size, and again after
-#: each test that kills ranks), with up to 4 ranks importing at once on 2 cores; with these
-#: preloaded, the first job of a 4-rank pool takes about half as long.
+#: and examples; the compile stack (AOTAutograd, the debugging backends, inductor's entry point:
+#: about 600 modules, jinja2, networkx and sympy among them, no thread started): what a rank's
+#: first ``torch.compile`` imports, 1.3 s of CPU against 0.1 s for the second. Pools are
+#: started about 13 times per pytest worker (one per world size, and again after each test
+#: that kills ranks), with up to 4 ranks importing at once on 2 cores; with these preloaded,
+#: the first job of a 4-rank pool takes about half as long.
 PRELOAD = [
     "torch",
     "torch.distributed",
     "torch._dynamo",
     "torch.distributed.checkpoint",
+    "functorch.compile",
+    "torch._dynamo.backends.debugging",
+    "torch._inductor.compile_fx",
     "fully_shard",
     __name__,
 ]
