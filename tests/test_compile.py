@@ -13,7 +13,8 @@ The orders (each on a 2-block Llama-style model, W = 2 gloo ranks, 3 AdamW steps
 
 Each trains against an unsharded *eager* replica that sees the global batch (losses every
 step, final full parameters) and against torch's ``fully_shard`` compiled the same way (losses,
-parameters, compiled frames, graph breaks). "No recompilation after the first step": the
+parameters, compiled frames, graph breaks; ``AGAINST_TORCH``: one order of each kind in the
+suite, all six in ``nox -s soak``). "No recompilation after the first step": the
 compiled-frame count after step 1 stays the same through step 3.
 
 The backends come from ``FULLY_SHARD_COMPILE_BACKENDS`` (default ``aot_eager``: dynamo and
@@ -34,12 +35,17 @@ from torch import nn
 
 from fully_shard import fully_shard
 from harness import mesh_1d, run_distributed
+from matrix import thinned
 from models import ModelArgs, Transformer
 from parity import loss_fn, make_token_batch
 
 WORLD = 2
 STEPS = 3
 ORDERS = ("titan", "forward", "tune_before", "tune_after", "tune_after_fullgraph", "whole")
+# Side by side with torch's fully_shard compiled the same way: in the suite, one order of each
+# kind (compiled before sharding, after it, the whole model); every order in nox -s soak. Every
+# order is checked against the eager replica in both.
+AGAINST_TORCH = thinned(ORDERS, ["titan", "tune_after_fullgraph", "whole"])
 BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
 
 
@@ -111,7 +117,8 @@ def _train(order: str, backend: str, impl: str) -> dict[str, Any]:
 
 
 def _both(order: str, backend: str) -> dict[str, dict[str, Any]]:
-    return {impl: _train(order, backend, impl) for impl in ("ours", "torch")}
+    impls = ("ours", "torch") if order in AGAINST_TORCH else ("ours",)
+    return {impl: _train(order, backend, impl) for impl in impls}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,24 +126,26 @@ def _both(order: str, backend: str) -> dict[str, dict[str, Any]]:
 def test_compile_order_trains_like_eager_and_like_torch(order: str, backend: str) -> None:
     got = run_distributed(functools.partial(_both, order, backend), WORLD, timeout=300)
     for rank_result in got:
-        ours, theirs = rank_result["ours"], rank_result["torch"]
+        ours, theirs = rank_result["ours"], rank_result.get("torch")
         # The mean of the two ranks' local losses is the global batch's loss.
         assert len(ours["params"]) == len(ours["ref_params"]) > 0
         for p, ref in zip(ours["params"], ours["ref_params"], strict=True):
             torch.testing.assert_close(p, ref, atol=1e-5, rtol=1e-4)
-        for p, q in zip(ours["params"], theirs["params"], strict=True):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-        assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
-        # Compiled in the first step, never again; as many frames and graph breaks as torch.
+        # Compiled in the first step, never again.
         first = ours["frames"][0]
         assert first >= 1
         assert ours["frames"] == [first] * STEPS
         if order == "whole":
-            # Ours traces the whole sharded model as one frame (the graph path, graph.py);
-            # torch's breaks the graph at every hook.
+            # Ours traces the whole sharded model as one frame (the graph path, graph.py).
             assert ours["frames"] == [1] * STEPS and ours["breaks"] == 0
+        if theirs is None:
+            continue
+        for p, q in zip(ours["params"], theirs["params"], strict=True):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+        assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
+        if order == "whole":  # torch's breaks the graph at every hook
             assert theirs["frames"][0] > 1
-        else:
+        else:  # as many frames and graph breaks as torch
             assert ours["frames"] == theirs["frames"]
             assert ours["breaks"] == theirs["breaks"]
     # Each rank's loss is its half of the batch; their mean is the reference's.
