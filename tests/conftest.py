@@ -30,8 +30,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # One intra-op thread in the test processes too, as in every rank: the pytest workers, their
 # ranks and the scripts they launch share 2 cores, and OpenMP threads that spin while waiting
-# for work take the cores the ranks wait for (the suite on two workers: a fifth of its CPU
-# time, 222 s of pytest instead of 278 s).
+# for work take the cores the ranks wait for. (One run each: 278 s of pytest and 431 s of user
+# CPU without, 223 s and 344 s with; later runs with it read 237-275 s, so how much it saves is
+# within this box's run-to-run noise.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
