@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, graph
 from fully_shard.errors import FullyShardNotImplementedError
 from harness import device_mesh, mesh_1d, run_distributed
 from models import RMSNorm
@@ -434,11 +434,16 @@ def _untraceable(case: str) -> tuple[str, str]:
     if case == "comm":
         model.set_comm(CountingComm())  # type: ignore[operator]
     run = torch.compile(model, backend="eager", fullgraph=True)
+    since = graph._GRAPH_PATH_SINCE
+    if case == "old_torch":  # as on a torch the graph path has not run on
+        graph._GRAPH_PATH_SINCE = (99, 0)
     try:
         run(_batch(0, 2)[0])
     except Exception as e:  # dynamo wraps it (InternalTorchDynamoError); ours is the context
         cause = e if isinstance(e, FullyShardNotImplementedError) else e.__context__
         return type(cause).__name__, str(cause)
+    finally:
+        graph._GRAPH_PATH_SINCE = since
     return "", "no error"
 
 
@@ -449,6 +454,7 @@ def _untraceable(case: str) -> tuple[str, str]:
         ("int8", "int8 (QuantizationPolicy)"),
         ("comm", "set_comm"),
         ("spmd", "whole SPMD mesh (dp_mesh_dims)"),
+        ("old_torch", "needs torch 99.0 or newer"),
     ],
 )
 def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:

@@ -550,6 +550,26 @@ def graph_post_forward(state: FSDPState, module: nn.Module, output: Any) -> Any:
     return state._cast_output(output)
 
 
+# The releases the graph path has run on start here (2.13.0, 2.14.1). On 2.6.0 dynamo cannot
+# call the functions it keeps as constants (_plan_for, _initialized) with our state as argument;
+# the releases in between have not been tried.
+_GRAPH_PATH_SINCE = (2, 13)
+
+
+@assume_constant_result
+def _check_torch() -> bool:
+    """Refuse, with the alternatives, a torch the graph path has not run on."""
+    if torch.__version__ < _GRAPH_PATH_SINCE:
+        since = ".".join(map(str, _GRAPH_PATH_SINCE))
+        raise FullyShardNotImplementedError(
+            f"torch.compile of a sharded module (the graph path: the module's own call traced) "
+            f"needs torch {since} or newer; this is torch {torch.__version__}. Compile each "
+            "block instead, in an order that keeps the eager hooks: torch.compile(block) "
+            "before fully_shard (torchtitan's order) or block.compile() before or after it"
+        )
+    return True
+
+
 @assume_constant_result
 def _initialized(state: FSDPState) -> bool:
     """Run the root's lazy init eagerly, once, when dynamo first traces (a constant)."""
@@ -567,6 +587,7 @@ def takes_graph_path(state: FSDPState) -> bool:
     graph. The other per-block orders (``block.compile()``, compiling before sharding) never
     trace this call and keep the eager hooks.
     """
+    _check_torch()
     _initialized(state)
     return state.root is not None
 
