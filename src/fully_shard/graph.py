@@ -559,7 +559,8 @@ _GRAPH_PATH_SINCE = (2, 13)
 @assume_constant_result
 def _check_torch() -> bool:
     """Refuse, with the alternatives, a torch the graph path has not run on."""
-    if torch.__version__ < _GRAPH_PATH_SINCE:
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if release < _GRAPH_PATH_SINCE:
         since = ".".join(map(str, _GRAPH_PATH_SINCE))
         raise FullyShardNotImplementedError(
             f"torch.compile of a sharded module (the graph path: the module's own call traced) "
