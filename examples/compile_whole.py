@@ -61,6 +61,7 @@ def collectives(gm: torch.fx.GraphModule) -> str:
         if node.op == "call_function" and name.split(".")[0] in (
             "all_gather_into_tensor",
             "reduce_scatter_tensor",
+            "all_to_all_single",  # the reduce-scatter on gloo
             "all_reduce",
         ):
             seen[f"{name.split('.')[0]} ({node.args[0].meta['val'].dtype})"] += 1

@@ -55,7 +55,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "compile.py": (["--backend", "aot_eager"], r"compiled after each step: \[(\d+), \1, \1\]"),
     "compile_whole.py": (
         ["--backend", "aot_eager"],
-        r"backward graph: 2 all_gather_into_tensor \(torch.float32\), 3 reduce_scatter_tensor",
+        r"backward graph: 2 all_gather_into_tensor \(torch.float32\), 3 all_to_all_single",
     ),
     "hf_llama.py": ([], r"step 2: loss \d"),
     "peft_lora.py": ([], r"step 2: loss \d\S*, \d+ of \d+ parameters trainable"),

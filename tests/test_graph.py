@@ -14,11 +14,12 @@ with hooks that keep the graphs; ``nox -s soak`` adds ``inductor``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -193,10 +194,12 @@ class _Graphs:
 def _collectives(
     gm: torch.fx.GraphModule, group: str | None = None
 ) -> list[tuple[str, torch.dtype]]:
-    """The collectives of ``gm`` in order (over process group ``group`` only, if given)."""
+    """The collectives of ``gm`` in order (over process group ``group`` only, if given). On
+    gloo the graph reduce-scatters with an all-to-all (graph.py's ``_reduce``)."""
     names = {
         _OPS.all_gather_into_tensor.default: "all_gather",
         _OPS.reduce_scatter_tensor.default: "reduce_scatter",
+        _OPS.all_to_all_single.default: "all_to_all",
         _OPS.all_reduce.default: "all_reduce",
     }
     return [
@@ -302,7 +305,7 @@ def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> Non
         assert fw == [("all_gather", f32)] * (blocks + 1)
         # Backward: the blocks reshard after forward, so their gathers are recomputed; the
         # root keeps its parameters. One reduce-scatter per group, fp32.
-        want = [("all_gather", f32)] * blocks + [("reduce_scatter", f32)] * (blocks + 1)
+        want = [("all_gather", f32)] * blocks + [("all_to_all", f32)] * (blocks + 1)
         assert sorted(bw) == sorted(want)
         if case == "tp":  # each norm weight's Partial gradient summed over TP, as in eager
             ((tp_bw),) = r["tp_bw"]
@@ -354,11 +357,24 @@ def test_hsdp_with_gradient_accumulation_trains_exactly(backend: str) -> None:
         assert unsynced == []
         f32 = torch.float32
         # one block and the root
-        assert sorted(synced) == sorted([("reduce_scatter", f32), ("all_reduce", f32)] * 2)
+        assert sorted(synced) == sorted([("all_to_all", f32), ("all_reduce", f32)] * 2)
 
 
+@contextlib.contextmanager
+def _native_reduce_scatter() -> Iterator[None]:
+    """Trace the backend's own reduce-scatter, the graph NCCL runs, instead of gloo's
+    all-to-all (graph.py's ``_reduce``)."""
+    graph._EXCHANGE_ON_GLOO = False
+    try:
+        yield
+    finally:
+        graph._EXCHANGE_ON_GLOO = True
+
+
+@_native_reduce_scatter()
 def _train_mixed_precision(backend: str) -> dict[str, Any]:
-    """bf16 compute, fp32 reduction: compiled beside our eager engine, same options."""
+    """bf16 compute, fp32 reduction: compiled beside our eager engine, same options; the
+    reduce-scatters as NCCL runs them."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -553,8 +569,10 @@ def _code_collectives(code: str) -> tuple[dict[str, int], list[int]]:
     return counts, gaps
 
 
+@_native_reduce_scatter()
 def _train_with_passes(recipe: str) -> dict[str, Any]:
-    """fp32, blocks resharding after forward, inductor with a recipe's passes on."""
+    """fp32, blocks resharding after forward, inductor with a recipe's passes on, the
+    reduce-scatters as NCCL runs them (the bucketing pass leaves gloo's all-to-alls apart)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()

@@ -422,6 +422,14 @@ def funcol_reduce_scatter(t: torch.Tensor, op: str, world: int, group_name: str)
     return ops.wait_tensor(ops.reduce_scatter_tensor(t, op, world, group_name))  # type: ignore[no-any-return]
 
 
+def funcol_all_to_all(t: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """Send chunk r of ``t`` (1-D, ``world`` equal chunks) to rank r; return the chunks the
+    ranks sent us, rank by rank (the shape of ``t``)."""
+    ops = torch.ops._c10d_functional
+    split = [t.numel() // world] * world
+    return ops.wait_tensor(ops.all_to_all_single(t, split, split, group_name))  # type: ignore[no-any-return]
+
+
 def funcol_all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     """All-reduce ``t`` over the named group with ``op`` ("sum" / "avg")."""
     ops = torch.ops._c10d_functional
