@@ -1,6 +1,6 @@
 """Soak: many steps with the reshard and sync flags toggled at random; nothing grows.
 
-A tiny model trains for ``FULLY_SHARD_SOAK_STEPS`` steps (default 100 in the normal suite; the
+A tiny model trains for ``FULLY_SHARD_SOAK_STEPS`` steps (default 50 in the normal suite; the
 ``soak`` nox session runs 1,000). Before every step each group's ``reshard_after_forward`` and
 the model's ``requires_gradient_sync`` are drawn at random (a seeded generator, the same on
 every rank); the optimizer steps only after a backward with sync on, as in gradient
@@ -26,7 +26,7 @@ from fully_shard import fully_shard
 from harness import mesh_1d, run_distributed
 from models import MLPStack
 
-STEPS = int(os.environ.get("FULLY_SHARD_SOAK_STEPS", "100"))
+STEPS = int(os.environ.get("FULLY_SHARD_SOAK_STEPS", "50"))
 WARMUP = max(20, STEPS // 10)
 SAMPLES = 5  # memory measurements after warm-up
 TOLERANCE = 0.05
