@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, graph
 from fully_shard.errors import FullyShardNotImplementedError
 from harness import device_mesh, mesh_1d, run_distributed
+from matrix import thinned
 from models import RMSNorm
 from parity import loss_fn, param_diffs
 
@@ -126,8 +127,8 @@ class _TPNet(nn.Module):
         return self.head(self.norm(h))  # type: ignore[no-any-return]
 
 
-def _tp_then_shard(model: _TPNet, root: Any) -> None:
-    tp, dp = root["tp"], root["dp"]
+def _tp_then_shard(model: _TPNet, root: Any, dp_dims: tuple[str, ...] = ("dp",)) -> None:
+    tp, dp = root["tp"], root[dp_dims]
     parallelize_module(
         model,
         tp,
@@ -235,6 +236,11 @@ def _setup(case: str) -> tuple[nn.Module, Callable[[nn.Module], None], int, int,
         shard = functools.partial(_tp_then_shard, root=root)
         groups = [root[name].get_group().group_name for name in ("dp", "tp")]
         return _TPNet(), shard, root["dp"].get_local_rank(), 2, groups
+    if case == "hsdp_tp":  # (replicate=2, shard=1, tp=2): HSDP over TP, the 3-D layout
+        root = device_mesh((2, 1, 2), ("rep", "shard", "tp"))
+        shard = functools.partial(_tp_then_shard, root=root, dp_dims=("rep", "shard"))
+        groups = [root[name].get_group().group_name for name in ("rep", "tp")]
+        return _TPNet(), shard, root["rep"].get_local_rank(), 2, groups
     model = _Net(checkpointed=True)
     model.scale.requires_grad_(False)  # frozen, in the root's group beside trainable weights
     mesh = mesh_1d()
@@ -277,20 +283,23 @@ def _train_exact(backend: str, case: str) -> dict[str, Any]:
         "frames": frames,
         "fw": [_collectives(g, groups[0]) for g in graphs.fw],
         "bw": [_collectives(g, groups[0]) for g in graphs.bw],
-        "tp_bw": [_collectives(g, groups[-1]) for g in graphs.bw] if case == "tp" else [],
-        "blocks": len(model.layers if case == "tp" else model.blocks),
+        "tp_bw": [_collectives(g, groups[-1]) for g in graphs.bw] if case != "fsdp" else [],
+        "blocks": len(model.blocks if case == "fsdp" else model.layers),
     }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["fsdp", "tp"])
+@pytest.mark.parametrize("case", thinned(["fsdp", "tp", "hsdp_tp"], ["fsdp", "tp"]))
 def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> None:
     """One forward and one backward graph, no recompilation, parameters within 1e-5 of our
     eager engine and of the unsharded replica. ``fsdp``: W=2, tied + frozen weights, uneven
     rows, AC inside blocks. ``tp``: W=4 as (dp=2) x (tp=2), every parameter a 2-D DTensor,
     the TP modules computing with DTensors inside the graph, uneven dp rows, and
-    sequence-parallel norms whose weights' gradients are Partial over the TP ranks."""
-    world = 4 if case == "tp" else 2
+    sequence-parallel norms whose weights' gradients are Partial over the TP ranks.
+    ``hsdp_tp`` (``nox -s soak``): the same model on (replicate=2) x (shard=1) x (tp=2), the
+    3-D layout at four ranks: one shard rank gathers nothing, the gradients are all-reduced
+    over the replicas."""
+    world = 2 if case == "fsdp" else 4
     got = run_distributed(functools.partial(_train_exact, backend, case), world, timeout=300)
     for r in got:
         assert max(r["diffs"]) < 1e-5, r["diffs"]
@@ -301,6 +310,11 @@ def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> Non
             continue
         (fw,), (bw,) = r["fw"], r["bw"]
         f32, blocks = torch.float32, r["blocks"]
+        if case == "hsdp_tp":  # on the replicate group: nothing in forward, one all-reduce
+            assert fw == [] and bw == [("all_reduce", f32)] * (blocks + 1), (fw, bw)
+            ((tp_bw),) = r["tp_bw"]
+            assert tp_bw.count(("all_reduce", f32)) == blocks + 1, tp_bw
+            continue
         # One all-gather per group in forward (the blocks and the root), fp32.
         assert fw == [("all_gather", f32)] * (blocks + 1)
         # Backward: the blocks reshard after forward, so their gathers are recomputed; the
