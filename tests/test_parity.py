@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 import parity
 from fully_shard import CountingComm, FSDPModule, FullyShardValueError, fully_shard
 from harness import mesh_1d, run_distributed
-from matrix import pairwise
+from matrix import pairwise, thinned
 from models import MLPStack, ModelArgs, RMSNorm, Transformer
 from parity import (
     MakeBatch,
@@ -314,11 +314,26 @@ def test_tied_embedding_and_head_in_separate_calls_are_refused_never_untied(worl
     run_distributed(_tied_head_apart_is_refused, world)
 
 
-@pytest.mark.parametrize("impl", ["ours", pytest.param("torch", marks=needs_torch_fsdp2_on_cpu)])
+# world x (tied in one call | untied apart) x implementation: every pair of values once in the
+# suite, the whole product in nox -s soak.
+_HEAD_APART = [
+    pytest.param(world, tied, tied, impl, id=f"{world}-{pair}-{impl}", marks=marks)
+    for world, (tied, pair), (impl, marks) in [
+        (2, (True, "tied-one-call"), ("ours", ())),
+        (3, (False, "untied-apart"), ("ours", ())),
+        (2, (False, "untied-apart"), ("torch", needs_torch_fsdp2_on_cpu)),
+        (3, (True, "tied-one-call"), ("torch", needs_torch_fsdp2_on_cpu)),
+        (3, (True, "tied-one-call"), ("ours", ())),
+        (2, (False, "untied-apart"), ("ours", ())),
+        (3, (False, "untied-apart"), ("torch", needs_torch_fsdp2_on_cpu)),
+        (2, (True, "tied-one-call"), ("torch", needs_torch_fsdp2_on_cpu)),
+    ]
+]
+
+
 @pytest.mark.parametrize(
-    ("tied", "together"), [(True, True), (False, False)], ids=["tied-one-call", "untied-apart"]
+    ("world", "tied", "together", "impl"), thinned(_HEAD_APART, _HEAD_APART[:4])
 )
-@pytest.mark.parametrize("world", [2, 3])
 def test_embedding_and_head_wrapped_apart_from_the_root_train_at_parity(
     world: int, tied: bool, together: bool, impl: str
 ) -> None:

@@ -43,6 +43,7 @@ from fully_shard import (
     fully_shard,
 )
 from harness import device_mesh, mesh_1d, run_distributed
+from matrix import thinned
 from models import MLPStack, ModelArgs, Transformer
 from parity import (
     check_parity,
@@ -134,7 +135,9 @@ def _train(impl: str, model: str) -> dict[str, Any]:
 
 
 @needs_torch_fsdp2_on_cpu
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
+# Against torch on the MLP in the suite (the transformer trains against the unsharded model
+# above), on both in nox -s soak.
+@pytest.mark.parametrize("model", thinned(["mlp", "transformer"], ["mlp"]))
 def test_matches_torch_fully_shard_with_the_same_option(model: str) -> None:
     # torch's passes the same parity check...
     for stats in run_distributed(_parity, WORLD, "torch", model, 0, (WORLD,)):
