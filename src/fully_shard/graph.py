@@ -9,7 +9,8 @@ sharded model captures the whole step, collectives included:
   layout's ``chunk`` rows, packed into one flat buffer; one functional all-gather; the output
   split rank by rank into each parameter's full tensor (:class:`_GatherGroup`).
 - its backward is the reduction: the full gradients packed rank by rank in the reduce dtype,
-  one reduce-scatter (and the all-reduce over the replicas for HSDP), with the divisions of
+  one reduce-scatter (on gloo an all-to-all and a sum, :func:`_reduce`; for HSDP then the
+  all-reduce over the replicas), with the divisions of
   :func:`~fully_shard.collectives.plan_reduction`; each rank's rows flow on to the sharded
   DTensor's ``.grad`` through ``to_local()``, where the eager engine puts them too.
 - reshard after forward: the gather is recomputed in backward (a checkpointed region around
