@@ -734,10 +734,11 @@ def _check_one_dtensor_mesh(members: list[tuple[nn.Parameter, str]]) -> None:
 
 def _shard_dim(p: nn.Parameter, fqn: str, placement: object, tp: TPLayout | None) -> int:
     if placement is None:
-        if tp is None:
+        if tp is None or tp.torch_order:
             return 0
         # The first dim TP leaves whole: plain Shard placements then describe the layout
-        # exactly. A 1-D parameter TP shards (a colwise bias) shares dim 0 with TP.
+        # exactly. A 1-D parameter TP shards (a colwise bias) shares dim 0 with TP. On a
+        # concatenated mesh (torch's order) dim 0, as torch: the layouts are then torch's.
         free = [d for d in range(p.dim()) if d not in tp_sharded_dims(tp)]
         return free[0] if free else 0
     if not isinstance(placement, Shard):

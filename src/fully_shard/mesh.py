@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from ._compat import root_mesh
+from ._compat import can_concatenate_meshes, concatenate_meshes, root_mesh
 from .errors import (
     FullyShardAssertionError,
     FullyShardNotImplementedError,
@@ -257,6 +257,101 @@ def mesh_info(mesh: object) -> MeshInfo:
         'sub-mesh, e.g. mesh["dp"] (or mesh["replicate", "shard"] for HSDP + TP), or pass the '
         "whole mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...) if the "
         "parameters are already DTensors on it"
+    )
+
+
+@dataclass(frozen=True)
+class ComposedMesh:
+    """One mesh holding the data-parallel dims and a parameter's own (TP / EP) dims.
+
+    A parameter that is already a DTensor (on tensor- or expert-parallel dims) and that we shard
+    further must end as *one* DTensor on a mesh with both sets of dims, so that
+    ``full_tensor()`` and DCP see the whole layout. Two ways to get that mesh:
+
+    - ``sliced``: both meshes are named slices of one named parent (``root["dp"]`` and
+      ``root["tp"]``): the sub-mesh of that parent with both sets of dims, in its order.
+    - concatenated: trainers such as torchtitan slice every mesh out of meshes they
+      ``_unflatten`` from one 1-D world mesh, so the parent names none of the dims; the two
+      meshes compose when they are views of the same ranks whose dims are orthogonal (no rank
+      pair shared), which is what ``DeviceMesh._concatenate`` checks and builds: the
+      data-parallel dims first, then the parameter's, as torch's ``fully_shard`` builds it.
+
+    Attributes:
+        mesh: the composed mesh.
+        dp_index: where the data-parallel mesh's dims are in ``mesh``, in their order.
+        own_index: where the parameter mesh's dims are in ``mesh``, in their order.
+        sliced: ``True`` when ``mesh`` is a slice of a named parent (its order); ``False``
+            when concatenated (torch's order: the data-parallel dims first).
+
+    Example:
+        >>> world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))  # doctest: +SKIP
+        >>> dense = world._unflatten(0, (2, 2), ("fsdp", "tp"))  # doctest: +SKIP
+        >>> compose_meshes(dense["fsdp"], dense["tp"], "w").dp_index  # doctest: +SKIP
+        (0,)
+    """
+
+    mesh: DeviceMesh
+    dp_index: tuple[int, ...]
+    own_index: tuple[int, ...]
+    sliced: bool
+
+
+def compose_meshes(dp: DeviceMesh, own: DeviceMesh, fqn: str) -> ComposedMesh:
+    """The mesh a parameter on ``own`` lives on once we shard it over ``dp`` too.
+
+    Decided from the meshes' ranks and layout, not from a shared named parent (see
+    :class:`ComposedMesh`). Raises, naming both meshes and what would be accepted, when they
+    are not views of one job's ranks, share a dim, or are unnamed.
+    """
+    dp_names, own_names = dp.mesh_dim_names, own.mesh_dim_names
+    if own == dp or (dp_names and own_names and set(dp_names) & set(own_names)):
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is already a DTensor on mesh {own}, over the same dims as the "
+            f"fully_shard mesh {dp}; fully_shard shards plain parameters itself: pass the "
+            "module with plain tensors, or parallelize it on another dim (tensor parallel on "
+            'root["tp"], fully_shard on root["dp"]); for parameters that are DTensors on the '
+            "whole mesh pass dp_mesh_dims=DataParallelMeshDims(...)"
+        )
+    if dp_names is None or own_names is None:
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {own} and fully_shard got mesh {dp}; both "
+            "need mesh_dim_names to be composed into one mesh: build them with "
+            "init_device_mesh(..., mesh_dim_names=(...)) and slice them by name"
+        )
+    root = root_mesh(dp)
+    root_names = root.mesh_dim_names or ()
+    if all(n in root_names for n in (*dp_names, *own_names)) and root[own_names] == own:
+        names = sorted((*dp_names, *own_names), key=root_names.index)
+        mesh = root if len(names) == root.ndim else root[tuple(names)]
+        return ComposedMesh(
+            mesh=mesh,
+            dp_index=tuple(names.index(n) for n in dp_names),
+            own_index=tuple(names.index(n) for n in own_names),
+            sliced=True,
+        )
+    if not can_concatenate_meshes():
+        raise FullyShardNotImplementedError(
+            f"parameter {fqn!r} is a DTensor on mesh {own}, which is not a named slice of the "
+            f"parent of the fully_shard mesh {dp}; this torch ({torch.__version__}) cannot "
+            "compose meshes unflattened from a world mesh (torch 2.13 or newer can). Build one "
+            'named mesh, root = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
+            '"tp")), parallelize with root["tp"] and pass mesh=root["dp"]'
+        )
+    try:
+        mesh = concatenate_meshes([dp, own])
+    except (RuntimeError, ValueError, AttributeError) as e:
+        raise FullyShardValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {own} (ranks {own.mesh.tolist()}), which "
+            f"does not compose with the fully_shard mesh {dp} (ranks {dp.mesh.tolist()}): "
+            f"{e}. The two must be views of one job's ranks along different dims: slices of "
+            'one named mesh (root["dp"], root["tp"]) or of meshes unflattened from one world '
+            'mesh (world._unflatten(0, (dp, tp), ("dp", "tp"))), as torchtitan builds them'
+        ) from e
+    return ComposedMesh(
+        mesh=mesh,
+        dp_index=tuple(range(dp.ndim)),
+        own_index=tuple(range(dp.ndim, dp.ndim + own.ndim)),
+        sliced=False,
     )
 
 

@@ -49,12 +49,11 @@ from ._compat import (
     can_concatenate_meshes,
     concatenate_meshes,
     flatten_mesh,
-    root_mesh,
     strided_shard,
     strided_shard_handles_uneven,
 )
 from .errors import FullyShardNotImplementedError, FullyShardTypeError, FullyShardValueError
-from .mesh import MeshInfo, contiguous_stride, mesh_info
+from .mesh import MeshInfo, compose_meshes, contiguous_stride, mesh_info
 from .policies import DataParallelMeshDims
 
 
@@ -73,6 +72,9 @@ class TPLayout:
         shard_index: the index in ``spmd`` of the dp dim we shard over.
         dp_dims: the dims of ``mesh`` that are data parallel (a full SPMD mesh): the
             gradient's placements there are kept for the reduction to sum; empty for TP.
+        torch_order: ``spmd`` was concatenated (dp dims first, see
+            :class:`~fully_shard.mesh.ComposedMesh`): the default shard dim is then 0, as in
+            torch, so that the sharded DTensors are the ones torch's ``fully_shard`` makes.
 
     Example:
         >>> layout = tp_layout(mesh_info(root["dp"]), wq.weight, "wq.weight")  # doctest: +SKIP
@@ -88,6 +90,7 @@ class TPLayout:
     base: tuple[Placement, ...]
     shard_index: int
     dp_dims: frozenset[int] = field(default_factory=frozenset)
+    torch_order: bool = False
 
     def grad_placements(self, current: tuple[Placement, ...]) -> tuple[Placement, ...]:
         """The placements to bring an unsharded gradient (placed ``current``) to before taking
@@ -110,68 +113,34 @@ def _check_placements(placements: tuple[Placement, ...], fqn: str, where: str) -
 def tp_layout(info: MeshInfo, param: DTensor, fqn: str) -> TPLayout:
     """Check that ``param``'s mesh composes with the dp mesh ``info`` and describe its layout.
 
-    The dp mesh (1-D, or 2-D for HSDP) and the parameter's 1-D TP mesh must be different
-    named dims of one root mesh, e.g. ``root["dp"]`` / ``root["replicate", "shard"]`` and
-    ``root["tp"]``.
+    The dp mesh (1-D, or 2-D for HSDP) and the parameter's own mesh (tensor or expert
+    parallel, 1-D or 2-D) must be views of one job's ranks along different dims: named
+    slices of one mesh (``root["dp"]``, ``root["tp"]``), or slices of meshes unflattened from
+    one world mesh, as torchtitan builds them (:func:`~fully_shard.mesh.compose_meshes`).
     """
-    tp_mesh = param.device_mesh
-    dp_names = info.mesh.mesh_dim_names
-    tp_names = tp_mesh.mesh_dim_names
-    if tp_mesh == info.mesh or (dp_names and tp_names and set(dp_names) & set(tp_names)):
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is already a DTensor on mesh {tp_mesh}, placed "
-            f"{tuple(param.placements)}, over the same dims as the fully_shard mesh "
-            f"{info.mesh}; fully_shard shards plain parameters itself: pass the module with "
-            "plain tensors, or parallelize it on another dim of one mesh (tensor parallel "
-            'on root["tp"], fully_shard on root["dp"]); for parameters that are DTensors on '
-            "the whole mesh pass dp_mesh_dims=DataParallelMeshDims(...)"
-        )
-    if tp_mesh.ndim != 1:
+    own = param.device_mesh
+    if own.ndim > 2:
         raise FullyShardNotImplementedError(
-            f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; fully_shard "
-            "composes with 1-D tensor-parallel meshes only (or pass the whole mesh with "
-            "dp_mesh_dims=DataParallelMeshDims(...))"
+            f"parameter {fqn!r} is a DTensor on a {own.ndim}-D mesh {own}; fully_shard "
+            "composes with 1-D (TP or EP) and 2-D (EP x TP) parameter meshes (or pass the "
+            "whole mesh with dp_mesh_dims=DataParallelMeshDims(...))"
         )
-    # Compared by value, not by parent identity: DTensor may hand back an equal mesh object
-    # that an earlier, equal-looking mesh created (its parent is then that other mesh).
-    root = root_mesh(info.mesh)
-    root_names = root.mesh_dim_names or ()
-    if (
-        dp_names is None
-        or tp_names is None
-        or tp_names[0] not in root_names
-        or root[tp_names[0]] != tp_mesh
-    ):
-        raise FullyShardValueError(
-            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a sub-mesh of "
-            f"the same parent as the fully_shard mesh {info.mesh}; build one named mesh, "
-            'root = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")) (or '
-            '("replicate", "shard", "tp") for HSDP), parallelize with root["tp"] and pass '
-            'mesh=root["dp"] (or root["replicate", "shard"])'
-        )
-    own = (*dp_names, *tp_names)
-    if any(name not in root_names for name in dp_names):
-        raise FullyShardNotImplementedError(
-            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} and fully_shard got mesh "
-            f"{info.mesh}, whose dims {dp_names} are not all dims of its parent {root} (a "
-            "flattened dim?); slice both meshes from the parent by its dim names, or pass the "
-            "parent with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
-        )
+    composed = compose_meshes(info.mesh, own, fqn)
     placements = tuple(param.placements)
-    _check_placements(placements, fqn, "tensor-parallel mesh")
-    names = sorted(own, key=root_names.index)
-    spmd = root if len(names) == root.ndim else root[tuple(names)]
-    base: list[Placement] = [Replicate()] * len(names)
-    base[names.index(tp_names[0])] = placements[0]
+    _check_placements(placements, fqn, "own mesh")
+    base: list[Placement] = [Replicate()] * composed.mesh.ndim
+    for index, placement in zip(composed.own_index, placements, strict=True):
+        base[index] = placement
     size = param.size()
     return TPLayout(
-        mesh=tp_mesh,
+        mesh=own,
         placements=placements,
         size=size,
         stride=contiguous_stride(size),
-        spmd=spmd,
+        spmd=composed.mesh,
         base=tuple(base),
-        shard_index=names.index(dp_names[info.shard_mesh_dim]),
+        shard_index=composed.dp_index[info.shard_mesh_dim],
+        torch_order=not composed.sliced,
     )
 
 
