@@ -7,7 +7,8 @@ Two models, both small enough that a training step takes milliseconds:
 - `Transformer`: a Llama-style decoder (RMSNorm, causal attention with rotary embeddings and
   optional grouped-query heads, SwiGLU feed-forward, optionally tied output head).
 
-Beside them `SmallNet`, the fixed two-module net of the bad-input catalogues.
+Beside them `SmallNet`, the fixed two-module net of the bad-input catalogues, and `SoftMoE`, a
+mixture of experts whose expert weights may be expert-parallel DTensors.
 
 Both keep their wrappable blocks in `self.layers` (an `nn.ModuleList`), so a test can shard each
 block and then the root. Every module that owns parameters or computed buffers has a
@@ -30,6 +31,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = [
     "Activation",
@@ -41,6 +43,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "SmallNet",
+    "SoftMoE",
     "Transformer",
     "TransformerBlock",
     "apply_rotary",
@@ -415,3 +418,38 @@ class Transformer(nn.Module):
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:
             self.output.reset_parameters()
+
+
+class SoftMoE(nn.Module):
+    """Soft mixture of experts: every expert sees every token, weighted by the router.
+
+    The expert weights are `(experts, dim, hidden)` and `(experts, hidden, dim)`. With them as
+    DTensors `Shard(0)` over an expert-parallel (EP) mesh, each rank computes its own experts
+    and the weighted sum over experts ends `Partial`, summed over the EP ranks (a real MoE
+    sends each token to its top-k experts with an all-to-all; what sharding does is the same).
+    `shared=True` adds a shared expert (a dense `Linear`) that every token goes through.
+    """
+
+    def __init__(self, dim: int, hidden: int, experts: int, *, shared: bool = False) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.w_in = nn.Parameter(torch.randn(experts, dim, hidden) / dim**0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
+        self.shared = nn.Linear(dim, dim) if shared else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        gates = torch.softmax(self.router(x), dim=-1)  # (n, experts)
+        w_in = self.w_in
+        h_in, g_in = x.to(w_in.dtype), gates.to(w_in.dtype)
+        if isinstance(w_in, DTensor):  # expert parallel
+            mesh = w_in.device_mesh
+            h_in = DTensor.from_local(h_in, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            g_in = DTensor.from_local(g_in, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        h = F.gelu(torch.einsum("nd,edh->neh", h_in, w_in))
+        y = torch.einsum("ne,ned->nd", g_in, torch.einsum("neh,ehd->ned", h, self.w_out))
+        if isinstance(y, DTensor):
+            y = y.redistribute(placements=[Replicate()] * y.device_mesh.ndim).to_local()
+        y = y.to(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y  # type: ignore[no-any-return]

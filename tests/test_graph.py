@@ -236,7 +236,9 @@ def _setup(case: str) -> tuple[nn.Module, Callable[[nn.Module], None], int, int,
     """The unsharded model of ``case``, how to shard it, this rank's data-parallel rank and
     size, and the name of our process group (the dp one: the replicas' for ``hsdp_tp``)."""
     if case == "tp":  # (dp=2, tp=2): TP in the block and at the root, then fully_shard
-        root = device_mesh((2, 2), ("dp", "tp"))
+        # unflattened from a 1-D world mesh, as torchtitan builds its meshes: the parameters
+        # land on the concatenated (dp, tp) mesh with torch's placements (strided on dim 0)
+        root = device_mesh((4,), ("world",))._unflatten(0, (2, 2), ("dp", "tp"))
         shard = functools.partial(_tp_then_shard, root=root)
         groups = [root["dp"].get_group().group_name]
         return _TPNet(), shard, root["dp"].get_local_rank(), 2, groups
@@ -299,8 +301,9 @@ def _train_exact(backend: str, case: str) -> dict[str, Any]:
 def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> None:
     """One forward and one backward graph, no recompilation, parameters within 1e-5 of our
     eager engine and of the unsharded replica. ``fsdp``: W=2, tied + frozen weights, uneven
-    rows, AC inside blocks. ``tp``: W=4 as (dp=2) x (tp=2), every parameter a 2-D DTensor,
-    the TP modules computing with DTensors inside the graph, uneven dp rows, and
+    rows, AC inside blocks. ``tp``: W=4 as (dp=2) x (tp=2) unflattened from the world mesh
+    (torchtitan's way), every parameter a 2-D DTensor (strided where TP and we both shard
+    dim 0), the TP modules computing with DTensors inside the graph, uneven dp rows, and
     sequence-parallel norms whose weights' gradients are Partial over the TP ranks.
     ``hsdp_tp`` (``nox -s soak``): the same model on (replicate=2) x (shard=1) x (tp=2), the
     3-D layout at four ranks: one shard rank gathers nothing, the gradients are all-reduced

@@ -46,6 +46,7 @@ from fully_shard import (
     trace,
 )
 from harness import device_mesh, run_distributed
+from models import SoftMoE
 from parity import (
     assert_same,
     assert_stats_within,
@@ -61,31 +62,8 @@ make_batch = functools.partial(make_float_batch, in_dim=IN, out_dim=OUT)
 LAYOUTS = ["ep", "hsdp"]
 
 
-class MoE(nn.Module):
-    """Soft mixture of experts: every expert sees every token, weighted by the router.
-
-    With the experts as DTensors ``Shard(0)`` over an EP mesh, each rank computes its own
-    experts and the weighted sum over experts ends ``Partial``, summed over the EP ranks.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS)
-        self.w_in = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) / DIM**0.5)
-        self.w_out = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) / HIDDEN**0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gates = torch.softmax(self.router(x), dim=-1)  # (n, experts)
-        w_in = self.w_in
-        if isinstance(w_in, DTensor):
-            mesh = w_in.device_mesh
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            gates = DTensor.from_local(gates, mesh, [Replicate()], run_check=False)
-        h = F.gelu(torch.einsum("nd,edh->neh", x, w_in))
-        y = torch.einsum("ne,ned->nd", gates, torch.einsum("neh,ehd->ned", h, self.w_out))
-        if isinstance(y, DTensor):
-            y = y.redistribute(placements=[Replicate()]).to_local()
-        return y
+def MoE() -> SoftMoE:
+    return SoftMoE(DIM, HIDDEN, EXPERTS)
 
 
 class Net(nn.Module):
