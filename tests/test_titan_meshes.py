@@ -19,7 +19,8 @@ Every case trains against an unsharded model (``check_parity``, 3 AdamW steps, 1
   expert), sharded the way torchtitan's ``apply_fsdp_to_decoder`` does (a placement function
   that returns torch's ``ShardPlacementResult`` with the ``efsdp`` mesh for the experts and
   the ``fsdp`` mesh for the rest): EP 2 at W = 2 and W = 4, EP 4 at W = 4, experts on dim 1
-  when they are fewer than ``efsdp x ep``, bf16 experts.
+  when they are fewer than ``efsdp x ep``, bf16 experts, and experts on a 2-D ``(ep, etp)``
+  mesh (EP splits the experts, TP their hidden dim).
 
 Then checkpoints: DCP saves at EP 2 (and TP + FSDP) and loads at EP 4 (and FSDP alone), the
 model and the optimizer state; and gradient clipping by mesh dims, as torchtitan's
@@ -272,6 +273,48 @@ def test_moe_with_expert_parallelism(
     dim1 = world > experts  # efsdp x ep > experts: torchtitan shards the experts' rows
     want = (Shard(1), Shard(0)) if dim1 else (strided_shard(0, ep), Shard(0))
     assert tuple(placements) == want, placements
+
+
+def _shard_ep_by_tp(model: nn.Module, dp: DeviceMesh) -> None:
+    """Experts on a 2-D ``(ep, etp)`` mesh: EP splits the experts, TP their hidden dim."""
+    assert isinstance(model, MoENet)
+    world = device_mesh((4,), ("world",))
+    sparse = world._unflatten(0, (1, 2, 2), ("efsdp", "ep", "etp"))
+    own, moe = sparse["ep", "etp"], model.layers[1]
+    assert isinstance(moe, SoftMoE)
+    moe.w_in = nn.Parameter(distribute_tensor(moe.w_in.detach(), own, [Shard(0), Shard(2)]))
+    moe.w_out = nn.Parameter(distribute_tensor(moe.w_out.detach(), own, [Shard(0), Shard(1)]))
+    experts = {moe.w_in, moe.w_out}
+    fully_shard(model.layers[0], mesh=dp)
+    efsdp = sparse["efsdp"]
+    fully_shard(
+        moe,
+        mesh=dp,
+        shard_placement_fn=lambda p: (
+            ShardPlacementResult(Shard(0), efsdp) if p in experts else None
+        ),
+    )
+    fully_shard(model, mesh=dp)
+
+
+def _ep_by_tp() -> dict[str, Any]:
+    # every rank sees the same rows: the efsdp dim has one rank (a 1-rank data mesh)
+    data = device_mesh((4,), ("world",))._unflatten(0, (1, 4), ("data", "rest"))["data"]
+    stats = dict(check_parity(lambda: MoENet(4), _shard_ep_by_tp, make_rows, data, steps=3))
+    model = MoENet(4)
+    _shard_ep_by_tp(model, titan_meshes()["dp"])
+    w_in = model.layers[1].w_in
+    stats["experts"] = (w_in.device_mesh.mesh_dim_names, w_in.placements)
+    return stats
+
+
+def test_experts_on_an_ep_by_tp_mesh() -> None:
+    results = run_distributed(_ep_by_tp, 4)
+    for stats in results:
+        assert_stats_within(stats, 1e-5)
+    names, placements = results[0]["experts"]
+    assert names == ("efsdp", "ep", "etp")
+    assert tuple(placements) == (strided_shard(0, 2), Shard(0), Shard(2)), placements
 
 
 # -- checkpoints across layouts, and clipping by mesh dims -----------------------------------
