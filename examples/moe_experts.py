@@ -2,12 +2,17 @@
 
     torchrun --standalone --nproc-per-node 4 examples/moe_experts.py   # EP 2 x expert-FSDP 2
 
-Runs on GPUs (NCCL) or on the CPU (gloo). The experts are expert parallel: a DTensor
-``Shard(0)`` over ``root["ep"]`` (each EP rank holds and computes half of the experts).
-``fully_shard`` shards each EP rank's experts further over ``root["efsdp"]``, the ranks holding
-the same experts, by returning ``ShardPlacementResult(Shard(0), root["efsdp"])`` from
+Runs on GPUs (NCCL) or on the CPU (gloo). The meshes are built the way torchtitan builds
+them: one 1-D world mesh, unflattened into ``(fsdp,)`` for the dense parameters and into
+``(efsdp, ep)`` for the experts (``--named-mesh``: one named ``(ep, efsdp)`` mesh instead). The
+experts are expert parallel: a DTensor ``Shard(0)`` over ``ep`` (each EP rank holds and computes
+half of the experts). ``fully_shard`` shards each EP rank's experts further over ``efsdp``, the
+ranks holding the same experts, by returning ``ShardPlacementResult(Shard(0), efsdp)`` from
 ``shard_placement_fn``; the router and the dense layers are sharded over all ranks. So one
-``fully_shard`` call owns two groups: one all-gather and one reduce-scatter per mesh.
+``fully_shard`` call owns two groups: one all-gather and one reduce-scatter per mesh. Each
+expert weight ends as one DTensor on ``(efsdp, ep)``, placed ``(_StridedShard(0, sf=ep),
+Shard(0))`` as torch's ``fully_shard`` places it (``(ep, efsdp)`` and ``(Shard(0), Shard(0))``
+with ``--named-mesh``).
 
 A toy "soft" MoE: every expert sees every token of its EP group, weighted by the router, and
 the weighted sum over experts is a ``Partial`` DTensor summed over the EP ranks (a real MoE
@@ -78,27 +83,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="rows per expert-FSDP rank")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--named-mesh", action="store_true", help="one named (ep, efsdp) mesh, not torchtitan's"
+    )
     args = parser.parse_args()
 
     # torchrun's ranks: a GPU each and NCCL, or gloo on the CPU; job.mesh: 1-D over everyone
-    job = init_distributed(mesh_dim_names=("dp",))
-    device, world, rank, everyone = job.device, job.world_size, job.rank, job.mesh
+    job = init_distributed(mesh_dim_names=("world",))
+    device, world, rank = job.device, job.world_size, job.rank
     ep = 2 if world % 2 == 0 else 1
-    root = init_device_mesh(device.type, (ep, world // ep), mesh_dim_names=("ep", "efsdp"))
+    if args.named_mesh or not hasattr(job.mesh, "_unflatten"):  # torch < 2.13: named only
+        everyone = job.mesh
+        root = init_device_mesh(device.type, (ep, world // ep), mesh_dim_names=("ep", "efsdp"))
+        ep_mesh, efsdp_mesh = root["ep"], root["efsdp"]
+    else:  # torchtitan's ParallelDims.build_mesh(): slices of the unflattened world mesh
+        everyone = job.mesh._unflatten(0, (world,), ("fsdp",))["fsdp"]
+        sparse = job.mesh._unflatten(0, (world // ep, ep), ("efsdp", "ep"))
+        ep_mesh, efsdp_mesh = sparse["ep"], sparse["efsdp"]
     # EP peers compute on the same tokens; the efsdp ranks see different ones.
-    data_size, data_rank = root["efsdp"].size(), root["efsdp"].get_local_rank()
+    data_size, data_rank = efsdp_mesh.size(), efsdp_mesh.get_local_rank()
 
     torch.manual_seed(0)
     model = Model().to(device)
     reference = copy.deepcopy(model) if args.check else None
     for name in ("w_in", "w_out"):  # expert parallel: half of the experts per EP rank
         expert = getattr(model.moe, name)
-        sharded = distribute_tensor(expert.detach(), root["ep"], [Shard(0)])
+        sharded = distribute_tensor(expert.detach(), ep_mesh, [Shard(0)])
         setattr(model.moe, name, nn.Parameter(sharded))
 
     def placement(p: nn.Parameter) -> ShardPlacementResult | None:
         # experts: over the ranks holding the same experts; the router: over everyone
-        return ShardPlacementResult(Shard(0), root["efsdp"]) if p.dim() == 3 else None
+        return ShardPlacementResult(Shard(0), efsdp_mesh) if p.dim() == 3 else None
 
     fully_shard(model.moe, mesh=everyone, shard_placement_fn=placement)
     fully_shard(model, mesh=everyone)
@@ -132,11 +147,10 @@ def main() -> None:
                 f"{g.info.shard_size} ranks ({', '.join(p.fqn for p in g.params)})" for g in groups
             )
         )
-        w_in = model.moe.w_in
-        assert isinstance(w_in, DTensor)
-        print(
-            f"moe.w_in: {w_in.device_mesh} {w_in.placements}, local {tuple(w_in.to_local().shape)}"
-        )
+        for name in ("w_in", "w_out"):
+            w = getattr(model.moe, name)
+            assert isinstance(w, DTensor)
+            print(f"moe.{name}: {w.device_mesh} {w.placements}, local {tuple(w.to_local().shape)}")
         per_step = {op: n // args.steps for op, n in counter.count_by_op().items()}
         print(f"collectives per step: {per_step}")
     if reference is not None:
