@@ -469,6 +469,10 @@ def _untraceable(case: str) -> tuple[str, str]:
     fully_shard(model, mesh=mesh, **options)
     if case == "comm":
         model.set_comm(CountingComm())  # type: ignore[operator]
+    if case == "keep_storage":
+        model.set_keep_unsharded_storage(True)  # type: ignore[operator]
+    if case == "manual":
+        model.set_manual_backward_finalization(True)  # type: ignore[operator]
     run = torch.compile(model, backend="eager", fullgraph=True)
     since = graph._GRAPH_PATH_SINCE
     if case == "old_torch":  # as on a torch the graph path has not run on
@@ -491,6 +495,8 @@ def _untraceable(case: str) -> tuple[str, str]:
         ("comm", "set_comm"),
         ("spmd", "whole SPMD mesh (dp_mesh_dims)"),
         ("old_torch", "needs torch 99.0 or newer"),
+        ("keep_storage", "set_keep_unsharded_storage(True)"),
+        ("manual", "set_manual_backward_finalization(True)"),
     ],
 )
 def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:
