@@ -424,9 +424,12 @@ def _train_mixed_precision(backend: str) -> dict[str, Any]:
 def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
     got = run_distributed(functools.partial(_train_mixed_precision, backend), 2, timeout=300)
     for r in got:
-        # Exact against our eager engine under aot_eager; inductor fuses the bf16 casts into
-        # its kernels, which rounds differently (measured 6e-4 after 3 steps): bf16's scale.
-        assert max(r["diffs"]) < (1e-6 if backend == "aot_eager" else 2e-3), r["diffs"]
+        # Against our eager engine, which (torch 2.15's reduce_dtype) sums the tied weight's
+        # two uses in one backward in fp32 (the unsharded parameter's grad_dtype), where the
+        # traced gather's output sums them in bf16, then casts: measured 2.6e-5 after 3 AdamW
+        # steps under aot_eager. Inductor also fuses the bf16 casts into its kernels, which
+        # rounds differently (measured 6e-4): bf16's scale.
+        assert max(r["diffs"]) < (1e-4 if backend == "aot_eager" else 2e-3), r["diffs"]
         assert r["dtypes"] == {"torch.float32"}  # the sharded parameters stay fp32
         if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
             continue
