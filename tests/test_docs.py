@@ -46,6 +46,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "meta_init.py": ([], r"this rank holds \d+ of \d+ parameter elements"),
     "grad_accum.py": ([], r"step 1 micro-batch 3: [1-9]\d* reduce-scatters"),
     "mixed_precision.py": ([], r"compute \{torch.bfloat16\}, all-gather torch.bfloat16"),
+    "fp32_params.py": ([], r"head computes in \{torch.float32\}, blocks in \{torch.bfloat16\}"),
     "offload.py": ([], r"shards on \{'cpu'\}, optimizer state on \{'cpu'\}"),
     "activation_checkpointing.py": ([], r"step 2: loss \S+, 4 all-gathers in backward"),
     "checkpoint.py": (["--dir", "{tmp}"], r"full state dict \(\d+ tensors\) loads"),

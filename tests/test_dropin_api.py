@@ -54,12 +54,22 @@ def _missing_params(theirs: Any, mine: Any, where: str) -> list[str]:
     return missing
 
 
+# Policy fields of a newer torch than the one installed, which ours has already (and their
+# defaults): torch 2.15's MixedPrecisionPolicy.param_dtype_override_fn.
+NEWER_TORCH_FIELDS = {"param_dtype_override_fn": None}
+
+
 def _same_default(theirs: Any, mine: Any) -> bool:
     if theirs is inspect.Parameter.empty or mine is inspect.Parameter.empty:
         return theirs is mine
     if dataclasses.is_dataclass(theirs) and dataclasses.is_dataclass(mine):
-        # A policy object as a default (MixedPrecisionPolicy()): compare its fields.
-        return _fields(type(theirs)) == _fields(type(mine))
+        # A policy object as a default (MixedPrecisionPolicy()): compare its fields; ours may
+        # add a newer torch's, with that torch's default.
+        their_fields, my_fields = _fields(type(theirs)), _fields(type(mine))
+        extra = {k: v for k, v in my_fields.items() if k not in their_fields}
+        return their_fields.items() <= my_fields.items() and extra.items() <= (
+            NEWER_TORCH_FIELDS.items()
+        )
     return bool(theirs == mine)
 
 

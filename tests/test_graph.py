@@ -427,9 +427,12 @@ def _train_mixed_precision(backend: str) -> dict[str, Any]:
 def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
     got = run_distributed(functools.partial(_train_mixed_precision, backend), 2, timeout=300)
     for r in got:
-        # Exact against our eager engine under aot_eager; inductor fuses the bf16 casts into
-        # its kernels, which rounds differently (measured 6e-4 after 3 steps): bf16's scale.
-        assert max(r["diffs"]) < (1e-6 if backend == "aot_eager" else 2e-3), r["diffs"]
+        # Against our eager engine, which (torch 2.15's reduce_dtype) sums the tied weight's
+        # two uses in one backward in fp32 (the unsharded parameter's grad_dtype), where the
+        # traced gather's output sums them in bf16, then casts: measured 2.6e-5 after 3 AdamW
+        # steps under aot_eager. Inductor also fuses the bf16 casts into its kernels, which
+        # rounds differently (measured 6e-4): bf16's scale.
+        assert max(r["diffs"]) < (1e-4 if backend == "aot_eager" else 2e-3), r["diffs"]
         assert r["dtypes"] == {"torch.float32"}  # the sharded parameters stay fp32
         if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
             continue
@@ -472,6 +475,10 @@ def _untraceable(case: str) -> tuple[str, str]:
     fully_shard(model, mesh=mesh, **options)
     if case == "comm":
         model.set_comm(CountingComm())  # type: ignore[operator]
+    if case == "keep_storage":
+        model.set_keep_unsharded_storage(True)  # type: ignore[operator]
+    if case == "manual":
+        model.set_manual_backward_finalization(True)  # type: ignore[operator]
     run = torch.compile(model, backend="eager", fullgraph=True)
     since = graph._GRAPH_PATH_SINCE
     if case == "old_torch":  # as on a torch the graph path has not run on
@@ -494,6 +501,8 @@ def _untraceable(case: str) -> tuple[str, str]:
         ("comm", "set_comm"),
         ("spmd", "whole SPMD mesh (dp_mesh_dims)"),
         ("old_torch", "needs torch 99.0 or newer"),
+        ("keep_storage", "set_keep_unsharded_storage(True)"),
+        ("manual", "set_manual_backward_finalization(True)"),
     ],
 )
 def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:

@@ -236,3 +236,158 @@ def _float8_only() -> dict[str, Any]:
 def test_a_float8_only_group_travels_as_bytes() -> None:
     for got in run_distributed(_float8_only, 2):
         assert got == {"exact": True, "dtypes": ["torch.uint8"]}
+
+
+# -- torch 2.15's param_dtype_override_fn: fp32 parameters inside a bf16 group -----------------
+
+MIX_DIM, MIX_ROWS = 6, 3
+
+
+class Mixer(nn.Module):
+    """A linear-attention-like block: a bf16 projection and fp32 ``A_log`` / ``dt_bias``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(MIX_DIM, MIX_DIM)
+        self.A_log = nn.Parameter(torch.randn(MIX_DIM) * 0.1)
+        self.dt_bias = nn.Parameter(torch.randn(MIX_DIM) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.in_proj(x)  # bf16 in, bf16 weight
+        return x + (h.float() * torch.exp(self.A_log) + self.dt_bias).to(h.dtype)
+
+
+class MixerLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Mixer() for _ in range(2))
+        self.lm_head = nn.Linear(MIX_DIM, 2)  # kept in fp32 inside the bf16 root group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x.float())  # type: ignore[no-any-return]
+
+
+def _compute_dtype(name: str) -> torch.dtype:
+    """What the model computes ``name`` in: fp32 for A_log, dt_bias and the head, else bf16."""
+    kept = name.endswith(("A_log", "dt_bias")) or name.startswith("lm_head.")
+    return torch.float32 if kept else torch.bfloat16
+
+
+def _train_mixed_compute(compiled: bool) -> dict[str, Any]:
+    """Two AdamW steps of a bf16 model that keeps A_log, dt_bias and lm_head in fp32, beside an
+    unsharded replica holding each parameter in that compute dtype, run on the same rows, its
+    fp32 gradients averaged over the ranks (what the reduce-scatter computes)."""
+    from fully_shard import MixedPrecisionPolicy
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MixerLM()
+    reference = copy.deepcopy(model)
+    for name, p in reference.named_parameters():
+        p.data = p.data.to(_compute_dtype(name))
+    kept = {id(p) for n, p in model.named_parameters() if _compute_dtype(n) == torch.float32}
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        param_dtype_override_fn=lambda p: p.dtype if id(p) in kept else None,
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh_1d(), mp_policy=mp)
+    fully_shard(model, mesh=mesh_1d(), mp_policy=mp)
+    comm = CountingComm()
+    if not compiled:  # the graph path traces torch's collectives, not a Python Comm
+        model.set_comm(comm)  # type: ignore[operator]
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    diffs: list[float] = []
+    for _ in range(2):
+        x = torch.randn(world * MIX_ROWS, MIX_DIM, generator=gen)
+        mine = x[rank * MIX_ROWS : (rank + 1) * MIX_ROWS]
+        run(mine).square().mean().backward()
+        reference(mine.to(torch.bfloat16)).square().mean().backward()
+        for name, p in model.named_parameters():
+            ref_grad = reference.get_parameter(name).grad
+            assert ref_grad is not None and p.grad is not None, name
+            avg = ref_grad.float()
+            dist.all_reduce(avg)
+            diffs.append((p.grad.full_tensor() - avg / world).abs().max().item())  # type: ignore[attr-defined]
+            assert p.grad.dtype == torch.float32, name  # the sharded grad: the master's dtype
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # the replica computes with the stepped masters' casts
+            for name, p in reference.named_parameters():
+                p.copy_(model.get_parameter(name).full_tensor().to(p.dtype))  # type: ignore[operator]
+                p.grad = None
+    gathers = {str(r.dtype) for r in comm.records if r.op == "all_gather"}
+    sharded = [model, *model.layers]
+    for m in sharded:
+        m.unshard()  # type: ignore[operator]
+    shown = {n: str(model.get_parameter(n).dtype) for n, _ in reference.named_parameters()}
+    for m in sharded:
+        m.reshard()  # type: ignore[operator]
+    return {"diffs": diffs, "shown": shown, "gathers": gathers}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
+def test_fp32_params_inside_a_bf16_group_train_like_the_reference(compiled: bool) -> None:
+    got = run_distributed(_train_mixed_compute, 2, compiled, timeout=300)
+    for rank in got:
+        assert max(rank["diffs"]) < 1e-6, rank["diffs"]
+    shown = got[0]["shown"]
+    assert shown["layers.0.A_log"] == shown["lm_head.weight"] == "torch.float32", shown
+    assert shown["layers.0.in_proj.weight"] == "torch.bfloat16", shown
+    if not compiled:  # eager: one all-gather per group, a block's bf16 and fp32 bytes in one
+        # uint8 buffer; the root (lm_head alone, kept fp32) in fp32
+        assert got[0]["gathers"] == {"torch.uint8", "torch.float32"}, got[0]["gathers"]
+
+
+def _refused_overrides() -> list[tuple[str, str, bool]]:
+    """(error class, message, module unchanged) for each bad override, on one rank."""
+    from fully_shard import FullyShardError, MixedPrecisionPolicy
+
+    bf16 = torch.bfloat16
+    cases = [
+        MixedPrecisionPolicy(param_dtype=bf16, param_dtype_override_fn=lambda p: torch.float16),
+        MixedPrecisionPolicy(param_dtype=bf16, param_dtype_override_fn=lambda p: "fp32"),  # type: ignore[arg-type,return-value]
+    ]
+    out = []
+    for i in range(3):
+        model = Mixer()
+        mp = (
+            cases[i]
+            if i < 2
+            else MixedPrecisionPolicy(
+                # A_log keeps fp32 beside bf16 ones, and no reduce_dtype gives the group one
+                param_dtype=bf16,
+                param_dtype_override_fn=lambda p, m=model: p.dtype if p is m.A_log else None,
+            )
+        )
+        before = {n: p for n, p in model.named_parameters()}
+        try:
+            fully_shard(model, mesh=mesh_1d(), mp_policy=mp)
+        except FullyShardError as e:
+            after = dict(model.named_parameters())
+            unchanged = type(model) is Mixer and all(after[n] is p for n, p in before.items())
+            out.append((type(e).__name__, str(e), unchanged))
+        else:
+            out.append(("", "no error", False))
+    return out
+
+
+def test_bad_param_dtype_override_is_refused_before_the_module_changes() -> None:
+    from fully_shard import MixedPrecisionPolicy
+
+    got = run_distributed(_refused_overrides, 1)[0]
+    (cls0, msg0, same0), (cls1, msg1, same1), (cls2, msg2, same2) = got
+    assert cls0 == "FullyShardValueError" and "torch.float16" in msg0 and "'A_log'" in msg0
+    assert cls1 == "FullyShardArgumentTypeError" and "'fp32'" in msg1
+    assert cls2 == "FullyShardValueError" and "reduce_dtype" in msg2, msg2
+    assert same0 and same1 and same2
+    with pytest.raises(TypeError, match="param_dtype_override_fn must be a callable"):
+        MixedPrecisionPolicy(param_dtype_override_fn=torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # keyword-only, as torch's
+        MixedPrecisionPolicy(None, None, None, True, lambda p: None)  # type: ignore[call-arg,misc]

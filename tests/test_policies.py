@@ -419,3 +419,36 @@ def test_checkpoint_recomputation_casts_as_forward_did(cast: str) -> None:
     for impl in ("ours", "torch"):
         for seen in run_distributed(_recompute_dtypes, 2, impl, cast):
             assert seen == want, (impl, seen)
+
+
+class _TwoStages(nn.Module):
+    """Two linears called one after the other, an fp32 op between them (a grouped head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).float() * 2)  # type: ignore[no-any-return]
+
+
+def _grouped_input_dtypes() -> dict[str, str]:
+    model = _TwoStages()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard([model.a, model.b], mesh=mesh_1d(), mp_policy=mp)
+    fully_shard(model, mesh=mesh_1d())
+    seen: dict[str, str] = {}
+    for name in ("a", "b"):
+        model.get_submodule(name).register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__(name, str(args[0].dtype))
+        )
+    model(torch.randn(2, 4)).sum().backward()
+    return seen
+
+
+def test_grouped_fully_shard_casts_each_modules_inputs() -> None:
+    # torch 2.15 documents it: with fully_shard([a, b]) the cast runs before each module's
+    # forward, so b's fp32 input (made between the two) is cast too
+    got = run_distributed(_grouped_input_dtypes, 1)[0]
+    assert got == {"a": "torch.bfloat16", "b": "torch.bfloat16"}, got

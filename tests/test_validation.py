@@ -458,11 +458,13 @@ EXACT_CASES = [
         "parameters of mixed dtypes in one group",
         _shard_root,
         FullyShardValueError,
-        "the trainable parameters of one fully_shard group have different dtypes "
-        "(inner.0.weight:torch.float32, inner.0.bias:torch.float16, out.weight:torch.float32, "
-        "out.bias:torch.float32) and one reduce-scatter needs one gradient dtype; freeze the "
-        "odd ones (frozen parameters of any dtype can share a group), convert the module to "
-        "one dtype, set MixedPrecisionPolicy(param_dtype=...), or shard them in separate calls",
+        "the trainable parameters of one fully_shard group would reduce their gradients in "
+        "different dtypes (inner.0.weight:torch.float32, inner.0.bias:torch.float16, "
+        "out.weight:torch.float32, out.bias:torch.float32) and one reduce-scatter needs one "
+        "gradient dtype; set MixedPrecisionPolicy(reduce_dtype=...) (e.g. torch.float32, as "
+        "torch 2.15 asks when param_dtype_override_fn keeps some parameters in their own "
+        "dtype), freeze the odd ones (frozen parameters of any dtype can share a group), "
+        "convert the module to one dtype, or shard them in separate calls",
         setup=_half_bias,
     ),
     ExactCase(

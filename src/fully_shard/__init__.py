@@ -25,7 +25,13 @@ from .errors import (
 )
 from .launch import Distributed, init_distributed
 from .mesh import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .module import (
+    FinalizeBackwardHandle,
+    FSDPModule,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .optim import Muon
 from .plan import CheckpointedBlock, Plan, StepCosts, plan
 from .policies import (
@@ -49,6 +55,7 @@ __all__ = [
     "Distributed",
     "FSDPMeshInfo",
     "FSDPModule",
+    "FinalizeBackwardHandle",
     "FullyShardArgumentTypeError",
     "FullyShardAssertionError",
     "FullyShardCopyError",

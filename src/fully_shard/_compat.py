@@ -96,6 +96,32 @@ def post_accumulate_grad_hooks(t: torch.Tensor) -> list[Callable[[torch.Tensor],
     return list(hooks.values()) if hooks else []
 
 
+def grad_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype autograd gives ``t``'s gradient (``Tensor.grad_dtype``), or ``None`` where
+    this torch has no such attribute or it is ``t``'s own dtype.
+
+    ``Tensor.grad_dtype`` is public where it exists (2.13.0 and 2.14.1 have it, tried); it is
+    read with ``getattr`` so that a release without it answers ``None`` (gradients in the
+    parameter's dtype, which is what such a release gives).
+    """
+    dtype = getattr(t, "grad_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype != t.dtype else None
+
+
+def set_grad_dtype(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Make autograd produce and accumulate ``t``'s gradient in ``dtype``; ``False`` where
+    this torch has no ``Tensor.grad_dtype`` (the caller then casts the gradient itself).
+
+    torch 2.15's FSDP2 sets its unsharded parameters' ``grad_dtype`` to ``reduce_dtype``; the
+    attribute is public in the releases that have it (set on 2.13.0 and 2.14.1).
+    """
+    if not hasattr(t, "grad_dtype"):
+        return False
+    if t.grad_dtype != dtype:
+        t.grad_dtype = dtype
+    return True
+
+
 def version(t: torch.Tensor) -> int:
     """``t``'s version counter, which every in-place write (``optimizer.step()``) bumps.
 

@@ -75,6 +75,9 @@ class _ParamPlan:
     shard_dim: int
     tp: TPLayout | None  # set for a parameter that already is a DTensor
     info: MeshInfo  # the mesh of the group it joins (shard_placement_fn may choose one)
+    # The call's mixed precision as it applies to this parameter: param_dtype_override_fn
+    # asked once, here, before anything changes (MixedPrecisionPolicy.for_param).
+    mp_policy: MixedPrecisionPolicy
 
 
 @functools.cache
@@ -323,10 +326,10 @@ def _plan_groups(
     reshard_after_forward: bool | int | None,
 ) -> list[_GroupPlan]:
     """Step 2: decide each parameter's placement and mesh, and split them into groups."""
-    plans = _plan_params(call.found, shard_placement_fn, call.info, call.spmd)
+    plans = _plan_params(call.found, shard_placement_fn, call.info, call.spmd, call.mp_policy)
     planned = []
     for group_info, group_plans in _group_plans(plans, call.info):
-        _check_params(group_plans, group_info, call.mp_policy)
+        _check_params(group_plans, group_info)
         size = call.post_forward_size
         if group_info is not call.info:  # a mesh of its own: reshard_after_forward=n must divide it
             _, size = _check_reshard_after_forward(
@@ -357,6 +360,7 @@ def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
                 shard_device,
                 pin,
                 plan.tp,
+                mp_policy=plan.mp_policy,
             )
             for plan in group.plans
         ]
@@ -665,6 +669,7 @@ def _plan_params(
     shard_placement_fn: Callable[[nn.Parameter], object] | None,
     info: MeshInfo,
     spmd: SPMDMesh | None,
+    mp_policy: MixedPrecisionPolicy,
 ) -> list[_ParamPlan]:
     resolver = MeshResolver(info)
     chosen: list[tuple[object, MeshInfo]] = []
@@ -698,7 +703,8 @@ def _plan_params(
         dim = _shard_dim(p, fqn, placement, tp)
         if tp is not None:
             check_strided_split(tp, dim, param_info.shard_size, fqn)
-        plans.append(_ParamPlan(p, fqn, slots, dim, tp, param_info))
+        mp = mp_policy.for_param(p, repr(fqn))
+        plans.append(_ParamPlan(p, fqn, slots, dim, tp, param_info, mp))
     return plans
 
 
@@ -755,7 +761,7 @@ def _shard_dim(p: nn.Parameter, fqn: str, placement: object, tp: TPLayout | None
     return dim % p.dim()
 
 
-def _check_params(plans: list[_ParamPlan], info: MeshInfo, mp_policy: MixedPrecisionPolicy) -> None:
+def _check_params(plans: list[_ParamPlan], info: MeshInfo) -> None:
     devices = {plan.param.device for plan in plans}
     if len(devices) > 1:
         listing = ", ".join(f"{plan.fqn}@{plan.param.device}" for plan in plans[:6])
@@ -772,13 +778,17 @@ def _check_params(plans: list[_ParamPlan], info: MeshInfo, mp_policy: MixedPreci
     # Frozen parameters of any dtype can share a group (it gathers as bytes then); one
     # reduce-scatter still needs its trainable parameters' gradients in one dtype.
     trainable = [plan for plan in plans if plan.param.requires_grad]
-    reduce_dtypes = {mp_policy.reduce_dtype_for(plan.param.dtype) for plan in trainable}
+    reduce_dtypes = {plan.mp_policy.reduce_dtype_for(plan.param.dtype) for plan in trainable}
     if len(reduce_dtypes) > 1:
-        listing = ", ".join(f"{plan.fqn}:{plan.param.dtype}" for plan in trainable[:6])
+        listing = ", ".join(
+            f"{plan.fqn}:{plan.mp_policy.reduce_dtype_for(plan.param.dtype)}"
+            for plan in trainable[:6]
+        )
         raise FullyShardValueError(
-            f"the trainable parameters of one fully_shard group have different dtypes "
-            f"({listing}) and one reduce-scatter needs one gradient dtype; freeze the odd "
-            "ones (frozen parameters of any dtype can share a group), convert the module to "
-            "one dtype, set MixedPrecisionPolicy(param_dtype=...), or shard them in separate "
-            "calls"
+            f"the trainable parameters of one fully_shard group would reduce their gradients "
+            f"in different dtypes ({listing}) and one reduce-scatter needs one gradient dtype; "
+            "set MixedPrecisionPolicy(reduce_dtype=...) (e.g. torch.float32, as torch 2.15 "
+            "asks when param_dtype_override_fn keeps some parameters in their own dtype), "
+            "freeze the odd ones (frozen parameters of any dtype can share a group), convert "
+            "the module to one dtype, or shard them in separate calls"
         )

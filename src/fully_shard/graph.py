@@ -7,7 +7,10 @@ sharded model captures the whole step, collectives included:
 
 - gather: per group, each parameter's local shard, cast to the compute dtype, padded to its
   layout's ``chunk`` rows, packed into one flat buffer; one functional all-gather; the output
-  split rank by rank into each parameter's full tensor (:class:`_GatherGroup`).
+  split rank by rank into each parameter's full tensor (:class:`_GatherGroup`). A group whose
+  parameters compute in several dtypes (``param_dtype_override_fn``) gathers one such buffer
+  per dtype: one more collective per extra dtype, no byte more (the eager engine sends one
+  ``uint8`` buffer instead, which the traced graph does not reinterpret).
 - its backward is the reduction: the full gradients packed rank by rank in the reduce dtype,
   one reduce-scatter (on gloo an all-to-all and a sum, :func:`_reduce`; for HSDP then the
   all-reduce over the replicas), with the divisions of
@@ -130,7 +133,6 @@ class _GatherPlan:
     shard_group: str  # process group names: what functional collectives take
     replicate_group: str | None
     replicate_size: int
-    wire_dtype: torch.dtype
     reduce_dtype: torch.dtype
     reduce_scatter: Reduction
     one_rank_divisor: float  # the reduce-scatter's divisions when one shard rank skips it
@@ -141,8 +143,9 @@ class _GatherPlan:
     sync: bool  # requires_gradient_sync
     reduce_unused: bool  # reduce_scatter_unused_params
     device: torch.device  # the mesh's compute device: where the gradient buffers are made
-
-    numels: tuple[int, ...]
+    # The gathers: one per compute dtype, each the indices of its parameters in group order
+    # (one piece unless param_dtype_override_fn keeps some parameters in their own dtype).
+    pieces: tuple[tuple[int, ...], ...]
 
 
 def _padded(t: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
@@ -256,15 +259,20 @@ class _GatherGroup(torch.autograd.Function):
         ctx.kept = extra is not None and plan.sync
         if ctx.kept:
             ctx.save_for_backward(extra)
-        parts = [
-            _padded(s.to(p.compute_dtype), p).reshape(-1)
-            for s, p in zip(shards, plan.params, strict=True)
-        ]
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if plan.world > 1:
-            flat = funcol_all_gather(flat, plan.world, plan.shard_group)
-        blocks = torch.split(flat.view(plan.world, -1), list(plan.numels), dim=1)
-        return tuple(_unranked(b, p) for b, p in zip(blocks, plan.params, strict=True))
+        fulls: list[torch.Tensor | None] = [None] * len(shards)
+        for piece in plan.pieces:  # one all-gather per compute dtype, in its own dtype
+            parts = [
+                _padded(shards[i].to(plan.params[i].compute_dtype), plan.params[i]).reshape(-1)
+                for i in piece
+            ]
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if plan.world > 1:
+                flat = funcol_all_gather(flat, plan.world, plan.shard_group)
+            numels = [plan.params[i].padded_numel for i in piece]
+            blocks = torch.split(flat.view(plan.world, -1), numels, dim=1)
+            for i, block in zip(piece, blocks, strict=True):
+                fulls[i] = _unranked(block, plan.params[i])
+        return tuple(t for t in fulls if t is not None)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -375,12 +383,22 @@ def check_traceable(group: ParamGroup) -> None:
                 f"parameter {p.fqn!r} is still on the meta device; call "
                 "module.to_empty(device=...) and initialise the parameters first"
             )
-    dtypes = {config.mp_policy.compute_dtype(p.orig_dtype) for p in group.params}
-    if len(dtypes) > 1:
+    dtypes = {p.mp_policy.compute_dtype(p.orig_dtype) for p in group.params}
+    odd = sorted(str(d) for d in dtypes if d.itemsize == 1 or not d.is_floating_point)
+    if len(dtypes) > 1 and odd:
+        # Several floating dtypes of 2 bytes or more gather as one piece each; a 1-byte or
+        # integer dtype (float8 has no gloo type, an int8 weight no traced cast back) does not.
         _refuse(
             group,
-            f"its parameters compute in several dtypes ({sorted(map(str, dtypes))})",
-            "Give them one dtype (MixedPrecisionPolicy(param_dtype=...)), or "
+            f"its parameters gather in several dtypes, among them {', '.join(odd)}",
+            "Give them one dtype, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+        )
+    if config.keep_unsharded_storage:
+        _refuse(
+            group,
+            "set_keep_unsharded_storage(True) keeps the eager engine's unsharded storage and "
+            "its addresses, while the traced gather makes fresh tensors",
+            "Call set_keep_unsharded_storage(False) before compiling, or "
             + _PER_BLOCK[0].lower()
             + _PER_BLOCK[1:],
         )
@@ -403,6 +421,7 @@ _CONFIG_FIELDS = (
     "all_gather_comm",
     "reduce_scatter_comm",
     "all_reduce_hook",
+    "keep_unsharded_storage",
 )
 
 
@@ -442,11 +461,17 @@ def _ensure_accumulator(group: ParamGroup, plan: _GatherPlan) -> None:
 def gather_plan(group: ParamGroup) -> _GatherPlan:
     """The constants of ``group``'s gather and reduction, read now."""
     info, config = group.info, group.config
-    mp = config.mp_policy  # the group's, asked now for each shard's dtype now
+    # Each parameter's own policy (param_dtype_override_fn folded in), asked now for the
+    # dtype its shard has now.
     params = tuple(
-        _ParamPlan.of(p.layout, mp.compute_dtype(p.orig_dtype), p.orig_dtype) for p in group.params
+        _ParamPlan.of(p.layout, p.mp_policy.compute_dtype(p.orig_dtype), p.orig_dtype)
+        for p in group.params
     )
-    reduce_dtype = mp.reduce_dtype_for(group.params[0].orig_dtype)
+    first = group.params[0]
+    reduce_dtype = first.mp_policy.reduce_dtype_for(first.orig_dtype)
+    pieces: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        pieces.setdefault(p.compute_dtype, []).append(i)
     plan = plan_reduction(
         reduce_dtype,
         info.shard_size,
@@ -464,7 +489,6 @@ def gather_plan(group: ParamGroup) -> _GatherPlan:
         shard_group=info.shard_group.group_name,
         replicate_group=None if replicate is None else replicate.group_name,
         replicate_size=info.replicate_size,
-        wire_dtype=params[0].compute_dtype,
         reduce_dtype=reduce_dtype,
         reduce_scatter=plan.reduce_scatter,
         one_rank_divisor=plan.reduce_scatter.divisor(group_size=1),
@@ -475,7 +499,7 @@ def gather_plan(group: ParamGroup) -> _GatherPlan:
         sync=config.requires_gradient_sync,
         reduce_unused=config.reduce_scatter_unused_params,
         device=info.device,
-        numels=tuple(p.padded_numel for p in params),
+        pieces=tuple(tuple(ix) for ix in pieces.values()),
     )
 
 
@@ -547,6 +571,7 @@ def graph_pre_forward(
         raise FullyShardStateError("graph path without a root (internal error)")
     run = ctx.graph_run
     if run is None:  # the outermost sharded module of the traced frame starts the run
+        _check_root_options(state, ctx.manual_finalization)
         run = GraphRun(id(state), set(), [])
         ctx.graph_run = run
     if id(state) not in run.gathered:
@@ -581,6 +606,21 @@ def _check_torch() -> bool:
             f"needs torch {since} or newer; this is torch {torch.__version__}. Compile each "
             "block instead, in an order that keeps the eager hooks: torch.compile(block) "
             "before fully_shard (torchtitan's order) or block.compile() before or after it"
+        )
+    return True
+
+
+@assume_constant_result
+def _check_root_options(state: FSDPState, manual_finalization: bool) -> bool:
+    """Refuse the model-wide options the graph cannot hold (``manual_finalization`` is passed
+    so that dynamo guards on it: turning it on later recompiles, and is refused then)."""
+    if manual_finalization:
+        raise FullyShardNotImplementedError(
+            "torch.compile of the whole sharded model (the graph path) cannot run with "
+            "set_manual_backward_finalization(True): the compiled backward reduces each "
+            "group's gradients inside the graph, with no end of backward to defer to "
+            "finalize_backward(). Call set_manual_backward_finalization(False) before the "
+            f"compiled forward, or {_PER_BLOCK[0].lower()}{_PER_BLOCK[1:]}"
         )
     return True
 

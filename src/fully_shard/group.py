@@ -114,6 +114,10 @@ class GroupConfig:
         allocate_from_process_group: take communication buffers from the process group's
             own allocator where the backend has one.
         symm_mem_backend: ``"NCCL"`` once ``set_symm_mem_for_comm`` was called (recorded).
+        keep_unsharded_storage: a reshard registers the sharded parameters again but keeps the
+            unsharded storage allocated, so every unshard writes into the same addresses
+            (CUDA graphs replaying a captured step need them); costs the group's unsharded
+            bytes for as long as it is set.
     """
 
     reshard_after_forward: bool | None = None
@@ -135,6 +139,7 @@ class GroupConfig:
     reduce_scatter_group: dist.ProcessGroup | None = None
     allocate_from_process_group: bool = False
     symm_mem_backend: str | None = None
+    keep_unsharded_storage: bool = False
 
 
 @dataclass
@@ -268,7 +273,7 @@ class ParamGroup:
         self.module_names = module_names
         sub = self.config.post_forward
         for p in self.params:
-            p.sync_with_module(self.config.quantization_policy, self.config.mp_policy)
+            p.sync_with_module(self.config.quantization_policy)
             if sub is not None:  # hooks patched on since fully_shard: refused as it would
                 own = local_tensor(p.sharded_param)
                 check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
@@ -280,6 +285,7 @@ class ParamGroup:
                     "(e.g. reset_parameters()) before running the model"
                 )
             p.alloc_storage()
+            p.set_unsharded_grad_dtype()
             p.free_storage()
 
     def name_from_root(self, fqn: str) -> str:
@@ -316,7 +322,7 @@ class ParamGroup:
         with torch.no_grad():
             # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
             quant = self.config.quantization_policy
-            inputs = [p.all_gather_inputs(quant, self.config.mp_policy) for p in self.params]
+            inputs = [p.all_gather_inputs(quant) for p in self.params]
             flat_inputs = [gi for per_param in inputs for gi in per_param]
             wire = wire_dtype([gi.dtype for gi in flat_inputs])
             sizes = split_sizes(flat_inputs, wire)
@@ -409,7 +415,7 @@ class ParamGroup:
             return
         with self.span("reshard"):
             for p in self.params:
-                p.reshard_to_post_forward(sub)
+                p.reshard_to_post_forward(sub, free=not self.config.keep_unsharded_storage)
             self._transition(GroupState.SHARDED, "reshard_after_forward()")
 
     def post_forward_nbytes(self) -> int:
@@ -427,8 +433,10 @@ class ParamGroup:
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
         self.begin("reshard")
+        keep = self.config.keep_unsharded_storage
         for p in self.params:
-            p.free_storage()
+            if not keep:
+                p.free_storage()
             p.register(p.sharded_param)
         self._transition(GroupState.SHARDED, "reshard()")
         self.end("reshard")
@@ -455,10 +463,9 @@ class ParamGroup:
         a partial HSDP sum pending, the parameters in it), in group order.
         """
         trainable = [p for p in self.params if p.sharded_param.requires_grad]
-        mp = self.config.mp_policy
         if not self.config.requires_gradient_sync:
             for p in trainable:
-                p.keep_unsharded_grad(mp.reduce_dtype_for(p.orig_dtype))
+                p.keep_unsharded_grad(p.mp_policy.reduce_dtype_for(p.orig_dtype))
             return
         self.finish_reduce()  # a reduction still in flight from an earlier backward
         partial = self._partial_reduce
@@ -472,7 +479,8 @@ class ParamGroup:
         ]
         if not packed:
             return
-        reduce_dtype = mp.reduce_dtype_for(packed[0][0].orig_dtype)
+        first = packed[0][0]  # one reduce dtype per group (fully_shard checked it)
+        reduce_dtype = first.mp_policy.reduce_dtype_for(first.orig_dtype)
         world = self.info.shard_size
         numels = [p.padded_numel for p, _ in packed]
         offsets = [sum(numels[:i]) for i in range(len(numels))]

@@ -210,6 +210,13 @@ class RootContext:
     forward_iter: int = 0  # root forwards started so far
     # The graph path's record of the root forward being traced (graph.GraphRun), else None.
     graph_run: Any = None
+    # set_manual_backward_finalization: the end of a backward leaves the groups it did not
+    # finish (gathered, gradients on the unsharded parameters) and the reductions in flight
+    # to FSDPModule.finalize_backward, called once per step.
+    manual_finalization: bool = False
+    # finalize_backward(async_op=True) not yet waited for: what finishes it (the next root
+    # forward calls it if the caller did not).
+    pending_finalization: Callable[[], None] | None = None
 
     @property
     def in_backward(self) -> bool:
@@ -284,6 +291,11 @@ class FSDPState:
         self.is_root = False
         # set_is_last_backward before the lazy init: the root context takes the root's value.
         self.is_last_backward_preset = True
+        # set_manual_backward_finalization before the lazy init: likewise.
+        self.manual_finalization_preset = False
+        # A forward of the group ran since its gradients were last reduced: what
+        # finalize_backward must still reduce (kept across backward passes, not per iteration).
+        self.unfinalized = False
         self.it = _Iteration()
         self._module_hooks: list[Any] = []
         # Explicit prefetch targets (None: the recorded order decides).
@@ -341,7 +353,10 @@ class FSDPState:
 
     def lazy_init(self) -> None:
         """Make this state the root of every state below its modules (first forward/unshard)."""
-        ctx = RootContext(is_last_backward=self.is_last_backward_preset)
+        ctx = RootContext(
+            is_last_backward=self.is_last_backward_preset,
+            manual_finalization=self.manual_finalization_preset,
+        )
         seen: set[int] = set()
         names: dict[int, str] = {}
         for top in self.modules:
@@ -402,6 +417,8 @@ class FSDPState:
         it = self.it
         if self.is_root and it.forward_depth == 0:
             ctx.it.forward_running = True
+            if ctx.pending_finalization is not None:  # finalize_backward(async_op=True)
+                ctx.pending_finalization()
         if it.forward_depth == 0 and not it.modules_to_run:
             # The group's forward starts with the first of its modules and ends when every
             # module has run (a list group is gathered once, not once per module). Outside
@@ -414,6 +431,7 @@ class FSDPState:
             for group in self.groups:
                 group.begin("forward")
             it.ran_forward = True
+            self.unfinalized = True
             for group in self.groups:
                 if group.gathered_copy_is_stale(group.sharded_versions()):
                     # Gathered before an optimizer step (explicit unshard,
@@ -663,6 +681,7 @@ class FSDPState:
                 for group in self.groups:
                     group.reduce_grads()
             ctx.it.reducing = tuple(g for g in self.groups if g.has_pending_reduce())
+            self.unfinalized = False
         else:
             for group in self.groups:
                 group.reduce_grads()
@@ -673,24 +692,77 @@ class FSDPState:
             group.end("backward")
 
     def _end_of_backward(self) -> None:
-        """Root only: runs once after autograd finished the whole backward pass."""
+        """Root only: runs once after autograd finished the whole backward pass.
+
+        Under manual finalization it finishes nothing: a group whose backward did not end
+        (its inputs need no gradient, or a later backward call continues it) stays gathered
+        with its gradients on the unsharded parameters, reductions stay in flight, and
+        :meth:`finalize_backward` does the rest once per step.
+        """
         ctx = self.ensure_initialized()
+        if ctx.manual_finalization:
+            self.end_iteration(keep_reducing=True)
+            return
         with _spans(self.groups, "root_post_backward_callback"):
             for state in reversed(ctx.states):
                 if state.phase is Phase.PRE_BACKWARD or (
                     state.it.ran_forward and state.phase is not Phase.POST_BACKWARD
                 ):
                     state._post_backward()
-            if ctx.is_last_backward:
-                for state in ctx.states:
-                    for group in state.groups:
-                        group.finish_reduce()
-                ctx.it.reducing = ()
+            self._finish_reductions(ctx, wait=ctx.is_last_backward)
+
+    def _finish_reductions(self, ctx: RootContext, *, wait: bool) -> None:
+        """Wait for the reductions in flight (``wait``), reshard, start the next iteration."""
+        if wait:
             for state in ctx.states:
                 for group in state.groups:
-                    if group.config.reshard_after_backward:
-                        group.reshard()
-            self.end_iteration(keep_reducing=not ctx.is_last_backward)
+                    group.finish_reduce()
+            ctx.it.reducing = ()
+        for state in ctx.states:
+            for group in state.groups:
+                if group.config.reshard_after_backward:
+                    group.reshard()
+        self.end_iteration(keep_reducing=not wait)
+
+    # -- manual backward finalization (torch 2.15) ---------------------------------------------
+
+    def finalize_backward(self, *, async_op: bool) -> Callable[[], None] | None:
+        """What the end of a backward does, for every group a backward left unfinished since
+        the last call, with the options of now: reduce (if gradient sync is on) the
+        gradients kept or left on the unsharded parameters, reshard (if resharding after
+        backward), then wait for the reductions. ``async_op``: return the wait instead of
+        running it (the next root forward runs it if nobody did).
+        """
+        ctx = self.ensure_initialized()
+        if not ctx.manual_finalization:
+            raise FullyShardStateError(
+                "finalize_backward() needs manual backward finalization: call "
+                "set_manual_backward_finalization(True) before the forward (the end of each "
+                "backward already finalizes otherwise)"
+            )
+        if ctx.it.in_backward or ctx.it.forward_running:
+            raise FullyShardStateError(
+                "finalize_backward() was called during a forward or backward; call it after "
+                "the step's last backward has returned"
+            )
+        if ctx.pending_finalization is not None:
+            ctx.pending_finalization()  # an earlier asynchronous one, not waited for
+        root = next(s for s in ctx.states if s.is_root)
+        with _spans(root.groups, "root_post_backward_callback"):
+            for state in reversed(ctx.states):
+                if state.unfinalized:
+                    state._post_backward()
+            if not async_op:
+                root._finish_reductions(ctx, wait=True)
+                return None
+
+        def wait() -> None:
+            if ctx.pending_finalization is wait:
+                ctx.pending_finalization = None
+                root._finish_reductions(ctx, wait=True)
+
+        ctx.pending_finalization = wait
+        return wait
 
     # -- reductions on request (pipelining) ----------------------------------------------------
 
@@ -712,8 +784,9 @@ class FSDPState:
     def finish_on_request(self) -> None:
         """After :meth:`reduce_on_request` on every state: wait for the reductions (if this is
         the last backward), reshard, and start the next iteration, as the end of a backward."""
-        root = next(s for s in self.ensure_initialized().states if s.is_root)
-        root._end_of_backward()
+        ctx = self.ensure_initialized()
+        root = next(s for s in ctx.states if s.is_root)
+        root._finish_reductions(ctx, wait=ctx.is_last_backward)
 
     # -- the end of an iteration ---------------------------------------------------------------
 

@@ -51,6 +51,30 @@ class UnshardHandle:
             self._groups = None
 
 
+class FinalizeBackwardHandle:
+    """Returned by ``finalize_backward(async_op=True)``: ``wait()`` finishes the reductions.
+
+    Until ``wait()`` returns, the last group's gradient reduction may still be in flight and
+    the sharded ``.grad`` of its parameters incomplete: wait before the optimizer step. The
+    next forward of the root waits for it if nobody did.
+
+    Example:
+        >>> handle = model.finalize_backward(async_op=True)  # doctest: +SKIP
+        >>> ...  # other work (another pipeline stage's compute) overlaps the reduction
+        >>> handle.wait()  # doctest: +SKIP
+        >>> optim.step()  # doctest: +SKIP
+    """
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        """Block until the reductions are done, the groups resharded and the step ended."""
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise FullyShardTypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
@@ -273,6 +297,75 @@ class FSDPModule(nn.Module):
             state.root.is_last_backward = flag  # one flag for the whole tree, as in torch
         else:
             state.is_last_backward_preset = flag
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Whether the caller finishes backward once per step with :meth:`finalize_backward`
+        (torch 2.15), instead of the end of every backward.
+
+        With True, the end of a backward finishes nothing: a group whose backward did not
+        end in it (the root, whose inputs need no gradient; a layer whose backward a later
+        backward call continues) stays gathered, its gradients accumulating on the unsharded
+        parameters (in the reduce dtype), and reductions stay in flight. Groups whose
+        module's backward did end still reduce then (if gradient sync is on) or keep their
+        gradients (if off), as always. Then call :meth:`finalize_backward` after the step's
+        last backward. For several backward calls per step (pipeline stages, a loss
+        backpropagated in parts, CUDA-graph gradient accumulation). Set for the whole model
+        (the root's tree), whichever sharded module it is called on; not during a backward.
+        torch 2.15's pipelining turns it on for every sharded stage before each forward.
+
+        Example:
+            >>> model.set_manual_backward_finalization(True)  # doctest: +SKIP
+            >>> for x in micro_batches:  # doctest: +SKIP
+            ...     model(x).sum().backward()
+            >>> model.finalize_backward()  # doctest: +SKIP
+            >>> optim.step()  # doctest: +SKIP
+        """
+        flag = _check_bool("set_manual_backward_finalization(enabled)", enabled)
+        self._check_not_in_backward(f"set_manual_backward_finalization({flag})")
+        root = self._fsdp_state.root
+        if root is not None:
+            root.manual_finalization = flag  # one flag for the whole tree
+            return
+        for module in self._fsdp_modules(recurse=True):  # the root, once found, reads its own
+            module._fsdp_state.manual_finalization_preset = flag
+
+    def finalize_backward(self, *, async_op: bool = False) -> FinalizeBackwardHandle | None:
+        """Finish the step's backward, under :meth:`set_manual_backward_finalization` (torch 2.15).
+
+        For every group that ran a forward since its gradients were last reduced: reduce
+        them (if gradient sync is on now; else keep them for a later call), reshard (if
+        resharding after backward), then wait for the reductions and start the next step, as
+        the end of a backward does without manual finalization. A group that already reduced
+        in a backward is not reduced again. With ``async_op=True`` the wait is left to the
+        returned handle's ``wait()`` (the next forward waits if nobody did). Raises if manual
+        finalization is off, or during a forward or backward. Eager only (the graph path
+        refuses manual finalization when it compiles).
+
+        Example:
+            >>> model.set_requires_gradient_sync(True)  # doctest: +SKIP
+            >>> handle = model.finalize_backward(async_op=True)  # doctest: +SKIP
+            >>> handle.wait()  # doctest: +SKIP
+        """
+        flag = _check_bool("finalize_backward(async_op=...)", async_op)
+        finish = self._fsdp_state.finalize_backward(async_op=flag)
+        return None if finish is None else FinalizeBackwardHandle(finish)
+
+    def set_keep_unsharded_storage(self, enabled: bool) -> None:
+        """Keep the unsharded parameters' storage (and so their addresses) across reshards
+        (torch 2.15), for this module and every sharded module below it.
+
+        A reshard still shows the sharded DTensors to the module, but the gathered bytes stay
+        allocated and the next all-gather writes into the same addresses: a CUDA graph that
+        captured a step (or an inference engine holding the weights, as torchtitan's RL
+        weight sync) keeps reading valid memory. Costs the unsharded bytes of every such
+        group for as long as it is on (the memory of an unsharded model); False frees them at
+        the next reshard. Eager only (the graph path refuses it when it compiles).
+
+        Example:
+            >>> model.set_keep_unsharded_storage(True)  # doctest: +SKIP
+        """
+        flag = _check_bool("set_keep_unsharded_storage(enabled)", enabled)
+        self._update_config(True, keep_unsharded_storage=flag)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather ``modules`` (asynchronously) as soon as this module's forward starts.
@@ -715,7 +808,7 @@ class FSDPModule(nn.Module):
         out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for group in self._fsdp_state.groups:
             for p in group.params:
-                p.sync_with_module(group.config.quantization_policy, group.config.mp_policy)
+                p.sync_with_module(group.config.quantization_policy)
         return out
 
 

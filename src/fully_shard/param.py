@@ -61,7 +61,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._compat import dtensor_from_spec, dtensor_spec, local_tensor, post_accumulate_grad_hooks
+from ._compat import (
+    dtensor_from_spec,
+    dtensor_spec,
+    grad_dtype,
+    local_tensor,
+    post_accumulate_grad_hooks,
+    set_grad_dtype,
+)
 from .extensions import SubclassGather, check_extension_plan, has_extension
 from .layout import ShardLayout
 from .mesh import MeshInfo, SubgroupInfo, contiguous_stride
@@ -97,8 +104,16 @@ class ShardedParam:
         shard_device: torch.device,
         pin_memory: bool,
         tp: TPLayout | None = None,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         self.fqn = fqn
+        # The group's mixed precision as it applies to this parameter, decided once by
+        # fully_shard (MixedPrecisionPolicy.for_param: param_dtype_override_fn folded in).
+        self.mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+        # The sharded gradient's dtype: the grad_dtype the parameter had before fully_shard
+        # (None: the shard's own dtype, read when the gradient arrives).
+        self.sharded_grad_dtype = grad_dtype(param)
         # Every (module, attribute) that refers to this parameter: a tied weight has several.
         self.slots = slots
         self.shard_dim = shard_dim
@@ -213,10 +228,10 @@ class ShardedParam:
         """The local rows of the sharded DTensor (``(rows_r, *rest)`` for dim 0)."""
         return self._local
 
-    def sync_with_module(self, policy: QuantizationPolicy, mp: MixedPrecisionPolicy) -> None:
+    def sync_with_module(self, policy: QuantizationPolicy) -> None:
         """Pick up a sharded parameter that ``Module._apply`` (e.g. ``to_empty``) replaced, and
-        choose the unsharded side for it and its group's quantization ``policy`` and mixed
-        precision ``mp``.
+        choose the unsharded side for it, its group's quantization ``policy`` and its own
+        mixed precision (:attr:`mp_policy`).
 
         ``_apply`` either swaps the tensor inside our ``nn.Parameter`` or puts a new parameter
         in the module; either way the module's current one becomes ours again. A post-forward
@@ -239,7 +254,7 @@ class ShardedParam:
                     self._dtensor_from_local(local), requires_grad=self.requires_grad
                 )
             self._local = local
-        self.compute_dtype = mp.compute_dtype(self.orig_dtype)
+        self.compute_dtype = self.mp_policy.compute_dtype(self.orig_dtype)
         self._choose_unsharded_side(policy)
         self.register(self.sharded_param)
 
@@ -294,7 +309,8 @@ class ShardedParam:
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add ``local_grad`` (this rank's reduced rows) into the sharded DTensor's ``.grad``."""
-        local_grad = local_grad.to(dtype=self.orig_dtype, device=self._local.device)
+        dtype = self.sharded_grad_dtype or self.orig_dtype
+        local_grad = local_grad.to(dtype=dtype, device=self._local.device)
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = self._dtensor_from_local(local_grad)
@@ -314,9 +330,7 @@ class ShardedParam:
     # the unsharded tensor, and freeing it) is this parameter's *unsharded side*, one object
     # (storage.py): a padded dense storage written through a gather format (plain or int8).
 
-    def all_gather_inputs(
-        self, policy: QuantizationPolicy, mp: MixedPrecisionPolicy
-    ) -> list[GatherInput]:
+    def all_gather_inputs(self, policy: QuantizationPolicy) -> list[GatherInput]:
         """What this rank sends in the next all-gather of its group.
 
         Normally its local rows of the W-rank split, in the format the quantization policy
@@ -324,9 +338,10 @@ class ShardedParam:
         that kept a post-forward piece (``reshard_after_forward=n``), that piece, plain, for
         a gather within the n-rank group: it holds the rows forward computed with (already
         dequantized), and it is handed over here; this parameter keeps no reference to it.
-        ``policy`` and ``mp`` are the group's (it owns them); ``mp``'s answer for the dtype
-        the shard has now becomes :attr:`compute_dtype`.
+        ``policy`` is the group's; :attr:`mp_policy`'s answer for the dtype the shard has now
+        becomes :attr:`compute_dtype`.
         """
+        mp = self.mp_policy
         self.compute_dtype = mp.compute_dtype(self.orig_dtype)
         piece, self._post_forward = self._post_forward, None
         return self.unsharded_side.inputs(self, piece, policy, mp)
@@ -343,10 +358,10 @@ class ShardedParam:
 
     # -- the post-forward piece (reshard_after_forward=n) -------------------------------------
 
-    def reshard_to_post_forward(self, sub: SubgroupInfo) -> None:
+    def reshard_to_post_forward(self, sub: SubgroupInfo, *, free: bool = True) -> None:
         """Keep this rank's rows of the parameter split like ``torch.chunk`` over its group of
-        ``sub.size`` ranks, free the rest, and show those rows as a DTensor on ``sub.mesh``
-        until backward gathers them (what torch's module shows then)."""
+        ``sub.size`` ranks, free the rest (``free``), and show those rows as a DTensor on
+        ``sub.mesh`` until backward gathers them (what torch's module shows then)."""
         side = self.unsharded_side
         alias = side.alias if isinstance(side, DenseStorage) else None
         if alias is None or not self.storage_allocated():
@@ -355,7 +370,8 @@ class ShardedParam:
         rows = alias.narrow(self.shard_dim, layout.offset, layout.local_rows)
         piece = rows.clone(memory_format=torch.contiguous_format)
         self._post_forward = (piece, layout)
-        self.free_storage()
+        if free:  # not under set_keep_unsharded_storage(True)
+            self.free_storage()
         shown = DTensor.from_local(
             piece,
             sub.mesh,
@@ -390,6 +406,22 @@ class ShardedParam:
     def alloc_storage(self) -> None:
         """Allocate (first time: create) the unsharded bytes and the unsharded parameter."""
         self.unsharded_side.alloc(self)
+
+    def set_unsharded_grad_dtype(self) -> None:
+        """Have autograd produce and accumulate the unsharded gradient in the reduce dtype
+        (torch 2.15's ``reduce_dtype``), where it differs from the compute dtype and this
+        torch has ``Tensor.grad_dtype``; elsewhere the gradient is cast when it is kept or
+        packed. Plain, dense parameters only: a TP DTensor's or a subclass's gradient keeps
+        the cast."""
+        param = self.unsharded_param
+        reduce = self.mp_policy.reduce_dtype_for(self.orig_dtype)
+        if (
+            param is not None
+            and self.tp is None
+            and not isinstance(self.unsharded_side, SubclassGather)
+            and (reduce != self.compute_dtype or grad_dtype(param) is not None)
+        ):
+            set_grad_dtype(param, reduce)
 
     def free_storage(self) -> None:
         """Free the unsharded bytes; the tensor objects (and autograd's references) stay."""

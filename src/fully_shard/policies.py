@@ -10,6 +10,7 @@ Questions and who answers them:
 =================================================  ==========================================
 question                                           answered by
 =================================================  ==========================================
+one parameter's own policy (override resolved)     ``MixedPrecisionPolicy.for_param``
 dtype of the all-gather and of forward/backward    ``MixedPrecisionPolicy.compute_dtype``
 dtype of the gradient reduce-scatter               ``MixedPrecisionPolicy.reduce_dtype_for``
 dtype the module's outputs are cast to             ``MixedPrecisionPolicy.output_dtype``
@@ -22,11 +23,14 @@ gather this parameter block-quantized to int8?     ``QuantizationPolicy.quantize
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from .errors import FullyShardTypeError, FullyShardValueError
+from .errors import FullyShardArgumentTypeError, FullyShardTypeError, FullyShardValueError
 
 
 def _check_float_dtype(name: str, dtype: object) -> None:
@@ -55,12 +59,26 @@ class MixedPrecisionPolicy:
     Attributes:
         param_dtype: dtype of the unsharded parameters, the all-gather and forward/backward
             compute. ``None`` keeps each parameter's own dtype.
-        reduce_dtype: dtype of the gradient reduce-scatter (and HSDP all-reduce). ``None``
-            means ``param_dtype`` (or the parameter's dtype if that is ``None`` too). fp32 here
-            with bf16 ``param_dtype`` costs twice the reduce bytes and gives gradients closer to
-            a full-precision run.
+        reduce_dtype: dtype of the unsharded gradients and of their reduce-scatter (and HSDP
+            all-reduce), as in torch 2.15: the unsharded parameter's ``grad_dtype`` is set to
+            it, so autograd produces and accumulates gradients in it, with gradient sync on or
+            off, and they are packed for the reduce-scatter without a cast. ``None`` means the
+            compute dtype (``param_dtype``, or the parameter's dtype if that is ``None`` too).
+            fp32 here with bf16 ``param_dtype`` costs twice the reduce bytes (and fp32
+            unsharded gradients) and gives gradients closer to a full-precision run. The
+            sharded gradient (what the optimizer reads) takes the parameter's own dtype, or the
+            ``grad_dtype`` the parameter had before ``fully_shard``.
         output_dtype: if set, floating-point forward outputs are cast to this dtype.
-        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``; a grouped
+            ``fully_shard([a, b])`` casts each module's inputs before that module's forward.
+        param_dtype_override_fn: keyword-only (torch 2.15's name). Called once per managed
+            parameter when ``fully_shard`` is applied, with the ``nn.Parameter``; it returns
+            ``None`` or ``param_dtype`` (the default) or the parameter's own dtype (keep it:
+            e.g. ``A_log``, ``dt_bias``, a router or an ``lm_head`` in fp32 inside a bf16
+            group). Anything else is refused before the module changes. It must answer the
+            same on every rank. A group whose trainable parameters then compute in several
+            dtypes needs one ``reduce_dtype`` (one reduce-scatter, one gradient dtype). Forward
+            inputs are still cast to ``param_dtype``.
 
     Example:
         >>> import torch
@@ -68,12 +86,22 @@ class MixedPrecisionPolicy:
         >>> mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         >>> mp.compute_dtype(torch.float32), mp.reduce_dtype_for(torch.float32)
         (torch.bfloat16, torch.float32)
+        >>> keep = MixedPrecisionPolicy(
+        ...     param_dtype=torch.bfloat16,
+        ...     reduce_dtype=torch.float32,
+        ...     param_dtype_override_fn=lambda p: p.dtype if p.dim() == 1 else None,
+        ... )
+        >>> keep.for_param(torch.nn.Parameter(torch.zeros(4))).compute_dtype(torch.float32)
+        torch.float32
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True
+    )
 
     def __post_init__(self) -> None:
         _check_float_dtype("param_dtype", self.param_dtype)
@@ -84,6 +112,52 @@ class MixedPrecisionPolicy:
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
                 f"{self.cast_forward_inputs!r}"
             )
+        fn = self.param_dtype_override_fn
+        if fn is not None and not callable(fn):
+            raise FullyShardTypeError(
+                "MixedPrecisionPolicy.param_dtype_override_fn must be a callable "
+                f"(nn.Parameter -> torch.dtype | None) or None, got {fn!r} "
+                f"({type(fn).__name__})"
+            )
+
+    def for_param(self, param: nn.Parameter, name: str = "a parameter") -> MixedPrecisionPolicy:
+        """This policy as it applies to ``param``: ``param_dtype_override_fn`` asked once and
+        folded into ``param_dtype`` (the override itself dropped). Without an override, the
+        policy itself: nothing is copied.
+
+        The parameter's own dtype as the answer becomes ``param_dtype=None`` ("keep its
+        dtype"), so the parameter follows a later ``model.to(dtype)`` as an unmixed one does.
+        ``name`` names the parameter in the error a bad answer raises.
+
+        Example:
+            >>> import torch
+            >>> from fully_shard import MixedPrecisionPolicy
+            >>> mp = MixedPrecisionPolicy(
+            ...     param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float32
+            ... )
+            >>> mp.for_param(torch.nn.Parameter(torch.zeros(2))).param_dtype is None
+            True
+        """
+        fn = self.param_dtype_override_fn
+        if fn is None:
+            return self
+        answer: object = fn(param)
+        own = param.dtype
+        if answer is not None and not isinstance(answer, torch.dtype):
+            raise FullyShardArgumentTypeError(
+                f"param_dtype_override_fn returned {answer!r} ({type(answer).__name__}) for "
+                f"{name}; it must return a torch.dtype or None"
+            )
+        if answer is not None and answer not in (self.param_dtype, own):
+            raise FullyShardValueError(
+                f"param_dtype_override_fn returned {answer} for {name} (dtype {own}) with "
+                f"param_dtype={self.param_dtype}; it may return None, param_dtype or the "
+                f"parameter's own dtype ({own}), as torch 2.15's does: cast the parameter "
+                "before fully_shard to compute it in another dtype"
+            )
+        keep_own = answer is not None and answer == own and answer != self.param_dtype
+        param_dtype = None if keep_own else self.param_dtype
+        return dataclasses.replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
 
     def compute_dtype(self, orig_dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter of ``orig_dtype`` is all-gathered and computed in.

@@ -843,7 +843,7 @@ def plan(
 
     block_names = _find_blocks(model, block_types)
     mode = fake_mode()
-    replica, mapping = fake_replica(model, mp.compute_dtype, mode)
+    replica, mapping = fake_replica(model, mp.compute_dtype, mode, mp.reduce_dtype_for)
     blocks = [replica.get_submodule(n) for n in block_names]
     params_orig = list(model.parameters())
     owner: dict[int, int] = {}

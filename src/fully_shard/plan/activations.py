@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 # The private torch APIs the planner uses (a dispatch mode, fake tensors, torch's FLOP table)
 # live in _compat with the others, with why and where they were run.
-from .._compat import FakeTensorMode, TorchDispatchMode, flop_registry
+from .._compat import FakeTensorMode, TorchDispatchMode, flop_registry, set_grad_dtype
 
 MarkKind = str  # "fwd_start" | "fwd_end" | "bwd_start" | "bwd_end" | "backward_end"
 
@@ -272,13 +272,17 @@ DEVICE = "cpu"  # the fake device: its kernels decide what autograd saves
 
 
 def fake_replica(
-    model: nn.Module, dtype_of: Callable[[torch.dtype], torch.dtype], mode: FakeTensorMode
+    model: nn.Module,
+    dtype_of: Callable[[torch.dtype], torch.dtype],
+    mode: FakeTensorMode,
+    grad_dtype_of: Callable[[torch.dtype], torch.dtype] | None = None,
 ) -> tuple[nn.Module, dict[int, nn.Parameter]]:
     """A deep copy of ``model`` whose parameters and buffers are fake tensors of ``mode``.
 
-    Parameters get the dtype ``dtype_of`` gives for theirs (the compute dtype), buffers keep
-    theirs; ``requires_grad`` and parameter sharing (tied weights) are kept. Returns the
-    replica and ``{id(original): replica parameter}``.
+    Parameters get the dtype ``dtype_of`` gives for theirs (the compute dtype), and their
+    gradients the one ``grad_dtype_of`` gives (the reduce dtype: the engine's unsharded
+    gradients are made in it), buffers keep theirs; ``requires_grad`` and parameter sharing
+    (tied weights) are kept. Returns the replica and ``{id(original): replica parameter}``.
     """
     memo: dict[int, Any] = {}
     mapping: dict[int, nn.Parameter] = {}
@@ -288,6 +292,8 @@ def fake_replica(
                 torch.empty(p.shape, dtype=dtype_of(p.dtype), device=DEVICE),
                 requires_grad=p.requires_grad,
             )
+            if grad_dtype_of is not None and grad_dtype_of(p.dtype) != q.dtype:
+                set_grad_dtype(q, grad_dtype_of(p.dtype))
             memo[id(p)] = q
             mapping[id(p)] = q
         for b in model.buffers():
