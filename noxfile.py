@@ -109,9 +109,15 @@ def demo(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """Long runs: 1,000 soak steps, 200 random call sequences, 200 examples per property, 60
     drawn models for the planner's prediction against MemTracker (tests: 50, 12, 20, 2), the
-    full products of the parametrizations the suite thins (tests/matrix.py), and the scripts
-    the tests run on the warm pool also launched as a user launches them."""
+    full products of the parametrizations the suite thins (tests/matrix.py), the scripts the
+    tests run on the warm pool also launched as a user launches them, and torchtitan's own
+    parallelize functions on ours (tests/test_torchtitan.py)."""
     session.install("-e", ".[test]", *CONSTRAINTS)
+    # tests/test_torchtitan.py: torchtitan's own parallelize code on ours. Without its
+    # dependencies (they would bring another torch, and its data loading and metrics stacks):
+    # what its model and parallelize modules import, pinned in constraints.txt.
+    session.install("--no-deps", "torchtitan", "spmd_types", "triton", *CONSTRAINTS)
+    session.install("tyro", *CONSTRAINTS)
     env = {"FULLY_SHARD_SOAK_STEPS": "1000", "FULLY_SHARD_STATEFUL_EXAMPLES": "200"}
     env["FULLY_SHARD_PROPERTY_EXAMPLES"] = "200"
     env["FULLY_SHARD_PLAN_EXAMPLES"] = "60"
@@ -129,4 +135,5 @@ def soak(session: nox.Session) -> None:
     tests += ("tests/test_resume.py", "tests/test_parity.py", "tests/test_pipelining.py")
     tests += ("tests/test_3d.py", "tests/test_multinode.py", "tests/test_dp_mesh_dims.py")
     tests += ("tests/test_reshard_int.py", "tests/test_titan_meshes.py")
+    tests += ("tests/test_torchtitan.py",)
     session.run("pytest", *WORKERS, *tests, *session.posargs, env=env)
