@@ -529,25 +529,14 @@ class ParamGroup:
             direct = [g for _, g in packed if g is not None]
             self._pending_reduce = _DirectReduce([p for p, _ in packed], direct)
             return
-        numels = [p.padded_numel for p, _ in packed]
-        offsets = [sum(numels[:i]) for i in range(len(numels))]
-        total = sum(numels)
         allocator = self._allocator(self.config.reduce_scatter_comm)
         device = self.info.device
-        flat_in = allocate_buffer(allocator, world * total, reduce_dtype, device)  # (W * total,)
-        columns = flat_in.view(world, total)
-        grad_was = torch.is_grad_enabled()
-        set_grad_enabled(False)  # a create_graph backward's gradients: copied, not recorded
-        try:
-            for (p, g), off, n in zip(packed, offsets, numels, strict=True):
-                pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
-        finally:
-            set_grad_enabled(grad_was)
+        flat_in, offsets, total = self._pack(packed, world, reduce_dtype, allocator)
         params = [p for p, _ in packed]
-        # The unsharded gradients are in the buffer now: free them, the loop's last one too,
-        # before the reduce-scatter output is allocated (a vocabulary-sized head packed last
-        # would otherwise stay alive beside it).
-        del grads, packed, g
+        # The unsharded gradients are in the buffer now: free them before the reduce-scatter
+        # output is allocated (a vocabulary-sized head packed last would otherwise stay
+        # alive beside it).
+        del grads, packed
         rs = self._reduce_plan(reduce_dtype).reduce_scatter
         if world == 1 and self.config.reduce_scatter_comm is None:
             # One shard rank: the reduce-scatter's result is its input, divided as the op
@@ -567,6 +556,29 @@ class ParamGroup:
             lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
         )
         self._pending_reduce = _PendingReduce(work, output, flat_in, params, offsets)
+
+    def _pack(
+        self,
+        packed: list[tuple[ShardedParam, torch.Tensor | None]],
+        world: int,
+        reduce_dtype: torch.dtype,
+        allocator: Any,
+    ) -> tuple[torch.Tensor, list[int], int]:
+        """The reduce-scatter input ``(W * total,)``, rank by rank, each parameter's offset in
+        a rank's ``total`` elements, and ``total``."""
+        numels = [p.padded_numel for p, _ in packed]
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        total = sum(numels)
+        flat_in = allocate_buffer(allocator, world * total, reduce_dtype, self.info.device)
+        columns = flat_in.view(world, total)
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # a create_graph backward's gradients: copied, not recorded
+        try:
+            for (p, g), off, n in zip(packed, offsets, numels, strict=True):
+                pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
+        finally:
+            set_grad_enabled(grad_was)
+        return flat_in, offsets, total
 
     def _reduces_to_itself(
         self, packed: list[tuple[ShardedParam, torch.Tensor | None]], reduce_dtype: torch.dtype
