@@ -255,7 +255,8 @@ def _time_interleaved(
 
 
 def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
-    job = init_rank(rank, opts.world, "cpu", "gloo", port, timedelta(minutes=10))
+    # The host's Python per group is what is measured: CPU tensors and gloo, by design.
+    job = init_rank(rank, opts.world, "cpu", "gloo", port, timedelta(minutes=10))  # host
     try:
         data = _batches(opts, rank, opts.warmup + opts.steps + 2)
         runs = {impl: build(impl, opts, job.mesh) for impl in opts.impls}
