@@ -191,6 +191,38 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(
         assert "ratio ours-int8/ddp: step time (median)" in stdout
 
 
+@needs_torch_fsdp2_on_cpu
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_bench_overhead_counts_calls_and_matches_the_floor(
+    launcher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "overhead.json"
+    stdout = _run(
+        "bench_overhead", "--blocks", "2", "--nproc", "1,2", "--steps", "2", "--warmup", "1",
+        "--json-out", str(out), launcher=launcher, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"]["world"] for r in runs] == [1, 2]
+    for run, floor in zip(runs, ("plain", "ddp"), strict=True):
+        assert run["config"]["groups"] == 3  # 2 blocks + the root
+        impls = run["impls"]
+        assert set(impls) == {"ours", "fsdp2", floor}
+        for name, r in impls.items():
+            # Same weights, same batches, same averaged gradients: the floor's losses.
+            assert r["max_abs_loss_diff_vs_floor"] < 1e-6, name
+            assert len(r["step_ms"]["all"]) == 2, name
+            calls = r["calls_per_step"]
+            assert calls["total"] == calls["py"] + calls["c"] > 0, name
+            phases = calls["phases"]
+            assert set(phases) == {"forward", "backward", "step", "zero_grad"}, name
+            assert sum(p["total"] for p in phases.values()) <= calls["total"], name
+            assert phases["step"]["total"] > 0, name
+            assert r["calls_per_group"] == calls["py"] / 3, name
+        assert impls[floor]["calls_over_floor_per_group"] == 0
+        assert set(run["ratios"]) == {f"ours/{floor}", f"fsdp2/{floor}", "ours/fsdp2"}
+        assert f"ratio ours/{floor}: step time (median)" in stdout
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_bench_collectives_reports_both_versions_of_each_collective(
     launcher: str, monkeypatch: pytest.MonkeyPatch

@@ -196,6 +196,10 @@ INHERENTLY_CPU = {
         'init_rank(rank, world, "cpu", "gloo", port, timedelta(minutes=5))  # gloo\'s, by design',
     ): "it measures gloo's collectives against TorchComm's on gloo",
     (
+        "bench_overhead.py",
+        'job = init_rank(rank, opts.world, "cpu", "gloo", port, timedelta(minutes=10))  # host',
+    ): "it measures the host's Python per group (calls counted on CPU tensors, gloo)",
+    (
         "bench_plan.py",
         'mesh = init_rank(rank, world, "cpu", "gloo", port, timedelta(seconds=300)).mesh',
     ): "the planner's numbers are CPU bytes (tracemalloc)",

@@ -27,6 +27,7 @@ are present, under the same name, in every release listed above.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -71,16 +72,23 @@ def inside_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def profiler_enabled() -> bool:
-    """Whether a torch profiler (Kineto, the legacy one, NVTX or ITT ranges) is recording now.
+# profiler_enabled() -> bool: whether a torch profiler (Kineto, the legacy one, NVTX or ITT
+# ranges) is recording now. A ``record_function`` label costs two dispatcher calls and a
+# ``torch.classes`` object even when nothing records it (about 6 µs a label, against 0.2 µs for
+# this check; CPU, torch 2.13); the profiler labels ask this first. torch's own fast labels
+# (``_RecordFunctionFast``, what compiled graphs emit) make the same check in C++. Bound to the
+# C function itself, not wrapped: the engine asks it at every span of every group (13 per group
+# per step), and a Python wrapper doubled the calls (bench_overhead).
+# ``torch._C._autograd._profiler_enabled``: run on 2.6.0, 2.13.0 and 2.14.1.
+profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
-    A ``record_function`` label costs two dispatcher calls and a ``torch.classes`` object
-    even when nothing records it (about 6 µs a label, against 0.2 µs for this check; CPU,
-    torch 2.13); the profiler labels ask this first. torch's own fast labels
-    (``_RecordFunctionFast``, what compiled graphs emit) make the same check in C++.
-    ``torch._C._autograd._profiler_enabled``: run on 2.6.0, 2.13.0 and 2.14.1.
-    """
-    return bool(torch._C._autograd._profiler_enabled())
+# set_grad_enabled(mode: bool) -> None: autograd's thread-local switch itself, the C function
+# that torch.no_grad() and torch.set_grad_enabled() call. The engine's copies into and out of
+# communication buffers switch it off around a block (try / finally, restoring what
+# torch.is_grad_enabled() said): torch.no_grad() costs 5 Python calls per use, and a group
+# used it 7 times per step (bench_overhead). ``torch._C._set_grad_enabled``: run on 2.6.0,
+# 2.13.0 and 2.14.1.
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 def post_accumulate_grad_hooks(t: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
@@ -122,12 +130,11 @@ def set_grad_dtype(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return True
 
 
-def version(t: torch.Tensor) -> int:
-    """``t``'s version counter, which every in-place write (``optimizer.step()``) bumps.
-
-    Public in spirit (autograd's saved-tensor check uses it) but named with an underscore.
-    """
-    return int(t._version)
+# version(t) -> int: ``t``'s version counter, which every in-place write (``optimizer.step()``)
+# bumps. Public in spirit (autograd's saved-tensor check uses it) but named with an
+# underscore. An attrgetter, not a Python function: groups read it for each parameter several
+# times per step, and a C call costs a fraction of a Python one (bench_overhead).
+version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:

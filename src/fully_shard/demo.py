@@ -49,6 +49,7 @@ from . import trace
 from .api import fully_shard
 from .collectives import CountingComm
 from .launch import Distributed, init_distributed, worker_environment
+from .layout import split_rows
 from .policies import MixedPrecisionPolicy, QuantizationPolicy
 from .quantize import SCALE_BYTES, int8_gather_nbytes, n_blocks
 
@@ -276,7 +277,7 @@ def expected_comm_bytes(
     ag = rs = values = scales = 0
     for shapes, gathers in groups:
         for s in shapes:
-            shard = math.ceil(s[0] / world) * math.prod(s[1:])
+            shard = split_rows(s[0], world).chunk * math.prod(s[1:])
             rs += world * shard * reduce_bytes
             if policy.quantizes(s, torch.float32, shard):
                 ag += gathers * int8_gather_nbytes(shard, policy.block_size)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._compat import local_tensor, version
+from ._compat import local_tensor, profiler_enabled, set_grad_enabled, version
 from .collectives import (
     Comm,
     ReducePlan,
@@ -65,6 +65,10 @@ class GroupState(enum.Enum):
     SHARDED = "sharded"
     UNSHARDING = "unsharding"  # all-gather issued, not yet waited for and copied out
     UNSHARDED = "unsharded"
+
+    # Members are singletons: hash by identity in C. Enum's own __hash__ is a Python function,
+    # and every transition check hashes two states (bench_overhead counts the calls).
+    __hash__ = object.__hash__
 
 
 _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
@@ -147,7 +151,9 @@ class _PendingGather:
     """An all-gather issued by :meth:`ParamGroup.unshard`, until its copy-out."""
 
     work: Waitable | None
-    output: torch.Tensor  # (world * total,) in the wire dtype; this rank's input is slice rank
+    # (world * total,) in the wire dtype; this rank's input is slice rank. None: nothing to
+    # send (every shard is its unsharded tensor, WholeShard), so no buffer was made.
+    output: torch.Tensor | None
     world: int
     inputs: list[list[GatherInput]]  # per parameter
     sizes: list[int]  # per input, in wire elements
@@ -160,6 +166,17 @@ class _PendingReduce:
     input: torch.Tensor  # (W * total,) kept alive until the collective is done
     params: list[ShardedParam]
     offsets: list[int]
+
+
+@dataclass
+class _DirectReduce:
+    """One shard rank, no replicas, nothing to divide and no hook: each gradient, in the
+    parameter's dtype and on its device, is its own reduction and becomes the sharded
+    gradient as it is (no buffer, no copy)."""
+
+    params: list[ShardedParam]
+    grads: list[torch.Tensor]
+    work: Waitable | None = None  # no collective; read beside _PendingReduce's on a reset
 
 
 @dataclass
@@ -201,18 +218,27 @@ class ParamGroup:
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
-        self._pending_reduce: _PendingReduce | None = None
+        self._pending_reduce: _PendingReduce | _DirectReduce | None = None
         # Kept across backward passes (like gradients with sync off), not per iteration.
         self._partial_reduce: _PartialReduce | None = None
         # The graph path's gradient accumulator (fully_shard.graph): a leaf whose .grad sums
         # the packed unreduced gradients of compiled backward passes with gradient sync off.
         self.graph_grads: torch.Tensor | None = None
         self._initialized = False
+        # Whether a parameter may hold a post-forward piece (reshard_after_forward=n): set
+        # when one is cut, cleared when they are dropped, so that the usual reshard and
+        # unshard skip the per-parameter drop.
+        self._pieces_cut = False
         # (id, version) of each sharded parameter when the gathered copy (and so any
         # post-forward piece cut from it) was taken.
         self._gathered_versions: list[tuple[int, int]] = []
         # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
-        self.observers: tuple[Observer, ...] = (ProfilerLabels(),)
+        self._labels = ProfilerLabels()
+        self.observers: tuple[Observer, ...] = (self._labels,)
+        # While observers is this very tuple, begin / end have nobody to tell unless a
+        # profiler records (or a label is open): they return at once (13 spans per group
+        # per step).
+        self._only_labels = self.observers
         # The group's name in labels and messages: its modules' qualified names under the root,
         # set at the root's lazy init (until then, their class names).
         self.label = "+".join(type(m).__name__ for m in modules)
@@ -232,11 +258,15 @@ class ParamGroup:
 
     def begin(self, kind: SpanKind) -> None:
         """Tell the observers that a span of ``kind`` starts."""
+        if self.observers is self._only_labels and not (self._labels.open or profiler_enabled()):
+            return
         for observer in self.observers:
             observer.begin(self, kind)
 
     def end(self, kind: SpanKind) -> None:
         """Tell the observers that the span of ``kind`` ends."""
+        if self.observers is self._only_labels and not self._labels.open:
+            return
         for observer in reversed(self.observers):
             observer.end(self, kind)
 
@@ -319,11 +349,18 @@ class ParamGroup:
         # may be called from a forward with grad enabled, on shards that require grad (a
         # shard torch's replicate() made a Parameter of), and copying those into views of
         # the flat buffer with autograd recording would fail.
-        with torch.no_grad():
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # torch.no_grad(), without its Python calls
+        try:
             # Asked now, not at construction: dtypes follow model.to(dtype), sizes the source.
             quant = self.config.quantization_policy
             inputs = [p.all_gather_inputs(quant) for p in self.params]
             flat_inputs = [gi for per_param in inputs for gi in per_param]
+            if not flat_inputs and self.config.all_gather_comm is None:
+                # Nothing to send (one shard rank, every shard its unsharded tensor): no
+                # buffer, no copy, no collective; wait_for_unshard shows the parameters.
+                self._gather = _PendingGather(None, None, world, inputs, [])
+                return
             wire = wire_dtype([gi.dtype for gi in flat_inputs])
             sizes = split_sizes(flat_inputs, wire)
             total = sum(sizes)
@@ -334,6 +371,8 @@ class ParamGroup:
             )
             flat_in = output.narrow(0, rank * total, total)
             copy_in(flat_in, flat_inputs)
+        finally:
+            set_grad_enabled(grad_was)
         work: Waitable | None = None
         if world > 1 or self.config.all_gather_comm is not None:
             # One rank: the output is this rank's own input, so nothing is sent (and nothing
@@ -353,6 +392,9 @@ class ParamGroup:
         )
 
     def _drop_pieces(self) -> None:
+        if not self._pieces_cut:
+            return
+        self._pieces_cut = False
         for p in self.params:
             p.drop_post_forward()
 
@@ -366,8 +408,12 @@ class ParamGroup:
             if pending.work is not None:
                 pending.work.wait()
             self.begin("all_gather_copy_out")
-            with torch.no_grad():  # data into storage, as the copy-in: never recorded
+            grad_was = torch.is_grad_enabled()
+            set_grad_enabled(False)  # data into storage, as the copy-in: never recorded
+            try:
                 self._copy_out(pending)
+            finally:
+                set_grad_enabled(grad_was)
             self.end("all_gather_copy_out")
         for p in self.params:
             unsharded = p.unsharded_param
@@ -385,8 +431,12 @@ class ParamGroup:
         # all-gather output.
         for p in self.params:
             p.alloc_storage()
-        dests = [p.all_gather_destinations() for p in self.params]
         world, output = pending.world, pending.output
+        if output is None:  # nothing was sent: the storage is the shard itself
+            for p in self.params:
+                p.finish_all_gather(None)
+            return
+        dests = [p.all_gather_destinations() for p in self.params]
         if all(d is not None for d in dests):
             copy_out(output, world, pending.sizes, [t for d in dests if d is not None for t in d])
             for p in self.params:
@@ -414,6 +464,7 @@ class ParamGroup:
             self.reshard()
             return
         with self.span("reshard"):
+            self._pieces_cut = True
             for p in self.params:
                 p.reshard_to_post_forward(sub, free=not self.config.keep_unsharded_storage)
             self._transition(GroupState.SHARDED, "reshard_after_forward()")
@@ -482,27 +533,24 @@ class ParamGroup:
         first = packed[0][0]  # one reduce dtype per group (fully_shard checked it)
         reduce_dtype = first.mp_policy.reduce_dtype_for(first.orig_dtype)
         world = self.info.shard_size
-        numels = [p.padded_numel for p, _ in packed]
-        offsets = [sum(numels[:i]) for i in range(len(numels))]
-        total = sum(numels)
+        if world == 1 and self._reduces_to_itself(packed, reduce_dtype):
+            direct = [g for _, g in packed if g is not None]
+            self._pending_reduce = _DirectReduce([p for p, _ in packed], direct)
+            return
         allocator = self._allocator(self.config.reduce_scatter_comm)
         device = self.info.device
-        flat_in = allocate_buffer(allocator, world * total, reduce_dtype, device)  # (W * total,)
-        columns = flat_in.view(world, total)
-        with torch.no_grad():
-            for (p, g), off, n in zip(packed, offsets, numels, strict=True):
-                pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
+        flat_in, offsets, total = self._pack(packed, world, reduce_dtype, allocator)
         params = [p for p, _ in packed]
-        # The unsharded gradients are in the buffer now: free them, the loop's last one too,
-        # before the reduce-scatter output is allocated (a vocabulary-sized head packed last
-        # would otherwise stay alive beside it).
-        del grads, packed, g
+        # The unsharded gradients are in the buffer now: free them before the reduce-scatter
+        # output is allocated (a vocabulary-sized head packed last would otherwise stay
+        # alive beside it).
+        del grads, packed
         rs = self._reduce_plan(reduce_dtype).reduce_scatter
         if world == 1 and self.config.reduce_scatter_comm is None:
             # One shard rank: the reduce-scatter's result is its input, divided as the op
             # would; no collective (HSDP's all-reduce over the replicas still follows).
-            with torch.no_grad():
-                divide_(flat_in, rs.divisor(group_size=1))
+            # (flat_in was made here and filled without autograd: nothing records the divide.)
+            divide_(flat_in, rs.divisor(group_size=1))
             self._pending_reduce = _PendingReduce(None, flat_in, flat_in, params, offsets)
             return
         output = allocate_buffer(allocator, total, reduce_dtype, device)
@@ -516,6 +564,56 @@ class ParamGroup:
             lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
         )
         self._pending_reduce = _PendingReduce(work, output, flat_in, params, offsets)
+
+    def _pack(
+        self,
+        packed: list[tuple[ShardedParam, torch.Tensor | None]],
+        world: int,
+        reduce_dtype: torch.dtype,
+        allocator: Any,
+    ) -> tuple[torch.Tensor, list[int], int]:
+        """The reduce-scatter input ``(W * total,)``, rank by rank, each parameter's offset in
+        a rank's ``total`` elements, and ``total``."""
+        numels = [p.padded_numel for p, _ in packed]
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        total = sum(numels)
+        flat_in = allocate_buffer(allocator, world * total, reduce_dtype, self.info.device)
+        columns = flat_in.view(world, total)
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # a create_graph backward's gradients: copied, not recorded
+        try:
+            for (p, g), off, n in zip(packed, offsets, numels, strict=True):
+                pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
+        finally:
+            set_grad_enabled(grad_was)
+        return flat_in, offsets, total
+
+    def _reduces_to_itself(
+        self, packed: list[tuple[ShardedParam, torch.Tensor | None]], reduce_dtype: torch.dtype
+    ) -> bool:
+        """One shard rank: whether each gradient already is its reduction (no replicas, no
+        divide factor, no user comm or hook) in the form the sharded gradient takes (the
+        shard's dtype, device and shape, contiguous, outside any autograd graph)."""
+        config = self.config
+        if (
+            self.info.replicate_group is not None
+            or config.gradient_divide_factor is not None
+            or config.reduce_scatter_comm is not None
+            or config.all_reduce_hook is not None
+        ):
+            return False
+        for p, g in packed:
+            local = p.local_shard
+            if (
+                g is None
+                or g.requires_grad
+                or not g.dtype == reduce_dtype == local.dtype
+                or g.device != local.device
+                or g.shape != local.shape
+                or not g.is_contiguous()
+            ):
+                return False
+        return True
 
     def _reduce_plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
         return plan_reduction(
@@ -538,6 +636,9 @@ class ParamGroup:
         if pending is None:
             return
         self._pending_reduce = None
+        if isinstance(pending, _DirectReduce):
+            self._accumulate(zip(pending.params, pending.grads, strict=True))
+            return
         if pending.work is not None:
             pending.work.wait()
         output = pending.output
@@ -566,9 +667,21 @@ class ParamGroup:
         if hook is not None:
             hook(output)
         divide_(output, plan.post_divide)
-        with torch.no_grad():
-            for p, off in zip(pending.params, pending.offsets, strict=True):
-                p.accumulate_sharded_grad(p.local_grad_from(output[off : off + p.padded_numel]))
+        self._accumulate(
+            (p, p.local_grad_from(output[off : off + p.padded_numel]))
+            for p, off in zip(pending.params, pending.offsets, strict=True)
+        )
+
+    def _accumulate(self, grads: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """Add each reduced gradient into its sharded ``.grad``, with autograd off (in place on
+        the DTensor's own local tensor)."""
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)
+        try:
+            for p, local_grad in grads:
+                p.accumulate_sharded_grad(local_grad)
+        finally:
+            set_grad_enabled(grad_was)
 
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None

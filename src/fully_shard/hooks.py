@@ -70,6 +70,8 @@ class Phase(enum.Enum):
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
 
+    __hash__ = object.__hash__  # as GroupState's: the phase table is read at every hook
+
 
 _PHASES: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.FORWARD, Phase.PRE_BACKWARD, Phase.POST_BACKWARD}),
@@ -86,7 +88,8 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_map_tensors(x, fn) for x in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(x, fn) for x in obj)
+        # A list, not a generator: a generator costs a Python call per element it yields.
+        return type(obj)([_map_tensors(x, fn) for x in obj])
     if isinstance(obj, dict):
         mapped = {k: _map_tensors(v, fn) for k, v in obj.items()}
         try:
@@ -101,6 +104,8 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):  # a module's usual output: nothing to traverse
+        return [obj]
     found: list[torch.Tensor] = []
 
     def visit(t: torch.Tensor) -> torch.Tensor:
@@ -433,7 +438,10 @@ class FSDPState:
             it.ran_forward = True
             self.unfinalized = True
             for group in self.groups:
-                if group.gathered_copy_is_stale(group.sharded_versions()):
+                # Only a group still gathered can hold a stale copy: read no versions else.
+                if group.state is GroupState.UNSHARDED and group.gathered_copy_is_stale(
+                    group.sharded_versions()
+                ):
                     # Gathered before an optimizer step (explicit unshard,
                     # reshard_after_backward=False): every rank stepped, so every rank
                     # gathers again.
@@ -477,7 +485,9 @@ class FSDPState:
     def _hook_module_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        needing_grad = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        # The usual call, tensors passed by position only, needs no traversal.
+        plain = not kwargs and not [a for a in args if not isinstance(a, torch.Tensor)]
+        needing_grad = [t for t in (args if plain else _tensors((args, kwargs))) if t.requires_grad]
         if not needing_grad:
             # No node can tell when this call's backward is over (its inputs need no
             # gradient): the root's end of backward finishes the group.
@@ -486,6 +496,8 @@ class FSDPState:
         passed = _AfterModuleBackward.apply(self, *needing_grad)  # type: ignore[no-untyped-call]
         swap = {id(t): out for t, out in zip(needing_grad, passed, strict=True)}
         self.it.pending_nodes.append(weakref.ref(passed[0].grad_fn))
+        if plain:
+            return tuple([swap.get(id(a), a) for a in args]), kwargs
         return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))  # type: ignore[no-any-return]
 
     @_labelled("post_forward")
@@ -574,14 +586,17 @@ class FSDPState:
         self._check_unchanged_since_forward(forward_versions)
         self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
-            with _spans(self.groups, "pre_backward"):
-                self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
-                self.it.prefetched = False
-                for group in self.groups:
-                    group.begin("backward")
-                if self.config.unshard_in_backward:
-                    self._unshard_now()
-                self._prefetch(self._backward_targets(), backward=True)
+            self._start_backward()
+
+    @_labelled("pre_backward")
+    def _start_backward(self) -> None:
+        self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
+        self.it.prefetched = False
+        for group in self.groups:
+            group.begin("backward")
+        if self.config.unshard_in_backward:
+            self._unshard_now()
+        self._prefetch(self._backward_targets(), backward=True)
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -677,9 +692,7 @@ class FSDPState:
             for reducing in ctx.it.reducing:
                 if reducing not in self.groups:
                     reducing.finish_reduce()
-            with _spans(self.groups, "post_backward_reduce"):
-                for group in self.groups:
-                    group.reduce_grads()
+            self._reduce_grads()
             ctx.it.reducing = tuple(g for g in self.groups if g.has_pending_reduce())
             self.unfinalized = False
         else:
@@ -690,6 +703,11 @@ class FSDPState:
                 group.reshard()
         for group in reversed(self.groups):
             group.end("backward")
+
+    @_labelled("post_backward_reduce")
+    def _reduce_grads(self) -> None:
+        for group in self.groups:
+            group.reduce_grads()
 
     def _end_of_backward(self) -> None:
         """Root only: runs once after autograd finished the whole backward pass.

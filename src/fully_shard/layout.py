@@ -7,6 +7,9 @@ split of every parameter, and the n-rank split of a post-forward piece under
 and the one attribute it writes, ``unsharded_param``. Both live here, below ``param.py`` and the
 sides, so that the imports point one way: ``param`` → ``storage`` / ``extensions`` → ``layout``.
 
+The row split itself, :func:`split_rows`, is the one the whole package uses: the engine, the
+planner (:mod:`fully_shard.plan`), the optimizers (:mod:`fully_shard.optim`) and the demo.
+
 Example:
     >>> import torch
     >>> from fully_shard.layout import ShardLayout
@@ -16,17 +19,57 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from .mesh import MeshInfo
-from .policies import QuantizationPolicy
-from .quantize import GatherFormat
-from .spmd import TPLayout
+if TYPE_CHECKING:
+    # Only ParamView's annotations name them: at run time this module imports nothing of the
+    # package, so that packing.py (below quantize.py, which these pull in) can use split_rows.
+    from .mesh import MeshInfo
+    from .policies import QuantizationPolicy
+    from .quantize import GatherFormat
+    from .spmd import TPLayout
+
+
+class RowSplit(NamedTuple):
+    """One rank's rows of a split like ``torch.chunk``: ``[start, stop)``, ``chunk`` per rank.
+
+    Attributes:
+        chunk: ``ceil(rows / world)``: rows every rank's padded shard has.
+        start: the first row this rank holds (``min(rank * chunk, rows)``).
+        stop: one past its last (``min(start + chunk, rows)``); ``start`` when it holds none.
+    """
+
+    chunk: int
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        """Rows this rank really holds: ``chunk``, or fewer (or none) on trailing ranks."""
+        return self.stop - self.start
+
+
+def split_rows(rows: int, world: int, rank: int = 0) -> RowSplit:
+    """``rows`` split over ``world`` ranks like ``torch.chunk`` (and ``Shard(0)``), seen from
+    ``rank``: rank r holds rows ``[r*c, min((r+1)*c, rows))`` with ``c = ceil(rows / world)``.
+
+    Integer arithmetic (no float ``ceil``), so it is exact for any size. The padding rule
+    follows from it: every rank sends ``chunk`` rows, ``world * chunk`` are gathered.
+
+    Example:
+        >>> from fully_shard.layout import split_rows
+        >>> [tuple(split_rows(5, 4, r)) for r in range(4)]  # the last rank holds none
+        [(2, 0, 2), (2, 2, 4), (2, 4, 5), (2, 5, 5)]
+        >>> split_rows(5, 4, 2).rows
+        1
+    """
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return RowSplit(chunk, start, min(start + chunk, rows))
 
 
 @dataclass(frozen=True)
@@ -64,15 +107,13 @@ class ShardLayout:
     @classmethod
     def chunked(cls, size: torch.Size, dim: int, world: int, rank: int) -> ShardLayout:
         """``size`` split on ``dim`` into ``world`` chunks of ``ceil(size[dim] / world)`` rows."""
-        dim_size = size[dim]
-        chunk = math.ceil(dim_size / world)
-        offset = min(rank * chunk, dim_size)
-        local_rows = max(0, min(offset + chunk, dim_size) - offset)
-        return cls(world, rank, dim, chunk, local_rows, size)
+        split = split_rows(size[dim], world, rank)
+        return cls(world, rank, dim, split.chunk, split.rows, size)
 
     @property
     def offset(self) -> int:
-        return min(self.rank * self.chunk, self.size[self.dim])
+        """The first row of dim ``dim`` this rank holds."""
+        return split_rows(self.size[self.dim], self.world, self.rank).start
 
     def _with_rows(self, rows: int) -> torch.Size:
         size = list(self.size)

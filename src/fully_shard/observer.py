@@ -146,24 +146,25 @@ class ProfilerLabels:
     """
 
     def __init__(self) -> None:
-        # Open ranges by (group, kind): begin and end come from different hooks.
-        self._open: dict[tuple[int, str], record_function] = {}
+        # Open ranges by (group, kind): begin and end come from different hooks. Public so
+        # that a group can see in one truth test that there is nothing to end.
+        self.open: dict[tuple[int, str], record_function] = {}
 
     def begin(self, group: ObservedGroup, kind: SpanKind) -> None:
         if kind in ("forward", "backward"):  # span user code: torch labels only its hooks
             return
-        if self._open:
+        if self.open:
             self.end(group, kind)  # one left open by an exception
         if not profiler_enabled():  # nothing would record the label: skip its cost
             return
         rf = record_function(f"FSDP::{kind} ({group.label})")
         rf.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        self._open[(id(group), kind)] = rf
+        self.open[(id(group), kind)] = rf
 
     def end(self, group: ObservedGroup, kind: SpanKind) -> None:
-        if not self._open:
+        if not self.open:
             return
-        rf = self._open.pop((id(group), kind), None)
+        rf = self.open.pop((id(group), kind), None)
         if rf is not None:
             rf.__exit__(None, None, None)
 

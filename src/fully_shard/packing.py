@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ._compat import backend_allocate
 from .errors import FullyShardValueError
+from .layout import split_rows
 
 
 @dataclass(frozen=True)
@@ -188,13 +189,12 @@ def pack_grad(block: torch.Tensor, grad: torch.Tensor | None, dim: int, chunk: i
         ranked.copy_(grad.view(world, chunk, *size[1:]))
         return
     for r in range(world):
-        start = min(r * chunk, n)
-        rows = min(chunk, n - start)
+        split = split_rows(n, world, r)  # its chunk is ``chunk``: the layout's own split
         dst = ranked[r]
-        if rows > 0:
-            dst.narrow(dim, 0, rows).copy_(grad.narrow(dim, start, rows))
-        if rows < chunk:
-            dst.narrow(dim, rows, chunk - rows).zero_()
+        if split.rows > 0:
+            dst.narrow(dim, 0, split.rows).copy_(grad.narrow(dim, split.start, split.rows))
+        if split.rows < chunk:
+            dst.narrow(dim, split.rows, chunk - split.rows).zero_()
 
 
 class ProcessGroupAllocator:

@@ -8,7 +8,7 @@ whole-matrix optimizer can reuse. docs/optimizers.md has the table of which torc
 are safe on shards and why.
 
 It is a tool beside the engine: it reads parameters as the public DTensors they are and
-imports nothing of the engine.
+imports nothing of the engine but the row split (:func:`fully_shard.layout.split_rows`).
 
 Example:
     >>> from fully_shard.optim import Muon

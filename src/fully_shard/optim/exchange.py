@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import FullyShardNotImplementedError, FullyShardValueError
+from ..layout import split_rows
 
 __all__ = ["RowSharding", "WholeMatrixExchange", "assign_owners", "row_bounds", "row_sharding"]
 
@@ -87,9 +88,8 @@ def row_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
         >>> [row_bounds(5, 4, r) for r in range(4)]  # chunks of 2: the last rank holds none
         [(0, 2), (2, 4), (4, 5), (5, 5)]
     """
-    chunk = math.ceil(rows / world) if rows else 0
-    start = min(rank * chunk, rows)
-    return start, min(start + chunk, rows)
+    split = split_rows(rows, world, rank)
+    return split.start, split.stop
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import FullyShardTypeError, FullyShardValueError, PlanInfeasibleError
+from ..layout import split_rows
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .activations import Mark, Trace, fake_mode, fake_replica, run_trace, to_fake
 from .repeat import KEEP, expand, find_run, kept_blocks, short_groups, shortened
@@ -659,9 +660,9 @@ def _to_plan(
             if p.group != g:
                 continue
             d0, rest = p.rows_rest()
-            chunk = math.ceil(d0 / s.world)
-            shard += min(chunk, d0) * rest * p.orig_itemsize
-            unsharded += s.world * chunk * rest * p.compute_itemsize
+            split = split_rows(d0, s.world)  # rank 0's: the most rows
+            shard += split.rows * rest * p.orig_itemsize
+            unsharded += s.world * split.chunk * rest * p.compute_itemsize
             numel += s.numels[i]
         groups.append(
             GroupPlan(
@@ -696,17 +697,11 @@ def _rank_peaks(s: _Setup, c: Choice, peak0: int) -> list[int]:
     known: dict[tuple[int, ...], int] = {}
     out = []
     for r in range(s.world):
-        key = tuple(_rows(d0, n, r % n) for n in (s.world, *splits) for d0 in shapes)
+        key = tuple(split_rows(d0, n, r % n).rows for n in (s.world, *splits) for d0 in shapes)
         if key not in known:
             known[key] = peak0 if r == 0 else _simulate(s, c, r).peak
         out.append(known[key])
     return out
-
-
-def _rows(d0: int, n: int, rank: int) -> int:
-    chunk = math.ceil(d0 / n)
-    offset = min(rank * chunk, d0)
-    return min(offset + chunk, d0) - offset
 
 
 def _describe(c: Choice, labels: Sequence[str]) -> str:
@@ -854,7 +849,7 @@ def plan(
     for p in params_orig:
         g = owner.get(id(p), 0)
         d0 = p.shape[0] if p.ndim else 1
-        padded = math.ceil(d0 / world) * (p[0].numel() if p.ndim and d0 else 1)
+        padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
         infos.append(
             ParamInfo(
                 shape=tuple(p.shape),
@@ -897,14 +892,15 @@ def plan(
     sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
     for i, info in enumerate(infos):
         d0, rest = info.rows_rest()
-        chunk = math.ceil(d0 / world)
+        split = split_rows(d0, world)  # rank 0's: the most rows
+        chunk = split.chunk
         wire = info.wire_bytes_per_row
         acc = sums[info.group]
         acc[0] += world * (chunk * rest * info.compute_itemsize if wire is None else wire)
-        acc[2] += min(chunk, d0) * rest * info.orig_itemsize
+        acc[2] += split.rows * rest * info.orig_itemsize
         if i in plain.params_with_grad:
             acc[1] += world * chunk * rest * info.reduce_itemsize
-            acc[3] += min(chunk, d0) * rest * info.orig_itemsize
+            acc[3] += split.rows * rest * info.orig_itemsize
     setup = _Setup(
         Model(tuple(infos), len(blocks) + 1, plain, ckpt, buffers, state_of, adam),
         tuple((a, b, c, d) for a, b, c, d in sums),

@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..layout import split_rows
 from .activations import Mark, Span, Trace
 
 CATEGORIES = (
@@ -173,10 +174,8 @@ def adam_temporaries(shards: Sequence[tuple[int, int]], foreach: bool) -> int:
 def _layout(p: ParamInfo, world: int, rank: int) -> tuple[int, int, int]:
     """(chunk, local_rows, rest) of ``p`` split over ``world`` ranks (``ShardLayout``)."""
     d0, rest = p.rows_rest()
-    chunk = math.ceil(d0 / world)
-    offset = min(rank * chunk, d0)
-    local = max(0, min(offset + chunk, d0) - offset)
-    return chunk, local, rest
+    split = split_rows(d0, world, rank)
+    return split.chunk, split.rows, rest
 
 
 @dataclass
