@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -73,9 +72,9 @@ from ._compat import (
 
 # What the graph path takes from the eager engine's communication module, in one place (the
 # graph path packs its own buffers, out of place, so that they trace as pure operations).
-from .collectives import Reduction, TorchComm, plan_reduction
+from .collectives import Reduction, TorchComm
+from .description import GroupDescription, ParamSlot
 from .errors import FullyShardNotImplementedError, FullyShardStateError
-from .layout import ShardLayout
 from .observer import JOB_WIDE, ProfilerLabels
 from .policies import OffloadPolicy
 from .quantize import PLAIN
@@ -94,61 +93,7 @@ if TYPE_CHECKING:
 _EXCHANGE_ON_GLOO = True
 
 
-@dataclass(frozen=True)
-class _ParamPlan:
-    """One parameter's split, as plain numbers (dynamo reads fields, not properties)."""
-
-    dim: int
-    world: int
-    chunk: int
-    local_rows: int
-    size: tuple[int, ...]  # the unpadded full shape
-    padded_shard: tuple[int, ...]
-    padded_numel: int
-    compute_dtype: torch.dtype
-    orig_dtype: torch.dtype
-
-    @classmethod
-    def of(cls, layout: ShardLayout, compute: torch.dtype, orig: torch.dtype) -> _ParamPlan:
-        return cls(
-            layout.dim,
-            layout.world,
-            layout.chunk,
-            layout.local_rows,
-            tuple(layout.size),
-            tuple(layout.padded_shard_size),
-            layout.padded_numel,
-            compute,
-            orig,
-        )
-
-
-@dataclass(frozen=True)
-class _GatherPlan:
-    """What one group's gather and its backward need: constants of the traced graph."""
-
-    label: str
-    params: tuple[_ParamPlan, ...]
-    world: int
-    shard_group: str  # process group names: what functional collectives take
-    replicate_group: str | None
-    replicate_size: int
-    reduce_dtype: torch.dtype
-    reduce_scatter: Reduction
-    one_rank_divisor: float  # the reduce-scatter's divisions when one shard rank skips it
-    all_reduce: Reduction
-    post_divide: float | None
-    native_avg: bool  # the backend has AVG (NCCL); gloo sums and divides
-    by_exchange: bool  # reduce-scatter as an all-to-all and a local sum (gloo; see _reduce)
-    sync: bool  # requires_gradient_sync
-    reduce_unused: bool  # reduce_scatter_unused_params
-    device: torch.device  # the mesh's compute device: where the gradient buffers are made
-    # The gathers: one per compute dtype, each the indices of its parameters in group order
-    # (one piece unless param_dtype_override_fn keeps some parameters in their own dtype).
-    pieces: tuple[tuple[int, ...], ...]
-
-
-def _padded(t: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
+def _padded(t: torch.Tensor, p: ParamSlot) -> torch.Tensor:
     """``t`` (this rank's rows) with zero rows appended up to ``p.chunk``."""
     missing = p.chunk - p.local_rows
     if missing == 0:
@@ -158,7 +103,7 @@ def _padded(t: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(size)], dim=p.dim)
 
 
-def _unranked(block: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
+def _unranked(block: torch.Tensor, p: ParamSlot) -> torch.Tensor:
     """A parameter's ``(W, padded_numel)`` block of the gathered buffer as its full tensor."""
     d, size = p.dim, p.size
     ranked = block.view(p.world, *p.padded_shard)  # (W, *size[:d], chunk, *size[d+1:])
@@ -168,7 +113,7 @@ def _unranked(block: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
     return full if p.world * p.chunk == size[d] else full.narrow(d, 0, size[d])
 
 
-def _ranked(grad: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
+def _ranked(grad: torch.Tensor, p: ParamSlot) -> torch.Tensor:
     """A full gradient as ``(W, padded_numel)``: row r holds rank r's rows, zero-padded."""
     d, world, chunk = p.dim, p.world, p.chunk
     missing = world * chunk - grad.size(d)
@@ -184,7 +129,7 @@ def _ranked(grad: torch.Tensor, p: _ParamPlan) -> torch.Tensor:
 
 
 def _reduce(
-    t: torch.Tensor, reduction: Reduction, group: str, size: int, plan: _GatherPlan, op: str
+    t: torch.Tensor, reduction: Reduction, group: str, size: int, plan: GroupDescription, op: str
 ) -> torch.Tensor:
     """One gradient collective (``op``: reduce-scatter or all-reduce) with its divisions.
 
@@ -201,7 +146,7 @@ def _reduce(
     if reduction.factor is not None:  # PREMUL_SUM: scale every input, then sum
         t = t * (1.0 / reduction.factor)
     name = "avg" if reduction.op == "avg" and native_avg else "sum"
-    if op == "rs" and plan.by_exchange:
+    if op == "rs" and not native_avg and _EXCHANGE_ON_GLOO:
         out = funcol_all_to_all(t, size, group).view(size, -1).sum(0)
     elif op == "rs":
         out = funcol_reduce_scatter(t, name, size, group)
@@ -214,13 +159,13 @@ def _reduce(
 
 
 def _pack_grads(
-    plan: _GatherPlan, grads: tuple[torch.Tensor | None, ...], members: list[int]
+    plan: GroupDescription, grads: tuple[torch.Tensor | None, ...], members: list[int]
 ) -> torch.Tensor:
     """The full gradients of ``members`` as one ``(W * total,)`` buffer, rank by rank, in the
     reduce dtype (zeros for a member without a gradient), as the eager engine packs them."""
     cols = []
     for i in members:
-        g, p = grads[i], plan.params[i]
+        g, p = grads[i], plan.slots[i]
         if g is None:
             shape = (p.world, p.padded_numel)
             cols.append(torch.zeros(shape, dtype=plan.reduce_dtype, device=plan.device))
@@ -229,17 +174,20 @@ def _pack_grads(
     return (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
 
 
-def _reduce_flat(plan: _GatherPlan, flat: torch.Tensor) -> torch.Tensor:
+def _reduce_flat(plan: GroupDescription, flat: torch.Tensor) -> torch.Tensor:
     """Reduce-scatter, the HSDP all-reduce, the last division: this rank's ``(total,)``."""
     if plan.world > 1:
-        flat = _reduce(flat, plan.reduce_scatter, plan.shard_group, plan.world, plan, "rs")
+        rs = plan.reduction.reduce_scatter
+        flat = _reduce(flat, rs, plan.reduce_group_name, plan.world, plan, "rs")
     else:
         divisor = plan.one_rank_divisor  # a number: dynamo cannot call a constant's method
         flat = flat if divisor == 1 else flat / divisor
-    if plan.replicate_group is not None:
-        flat = _reduce(flat, plan.all_reduce, plan.replicate_group, plan.replicate_size, plan, "ar")
-    if plan.post_divide is not None and plan.post_divide != 1:
-        flat = flat / plan.post_divide
+    if plan.replicate_group_name is not None:
+        ar, replicas = plan.reduction.all_reduce, plan.replicate_size
+        flat = _reduce(flat, ar, plan.replicate_group_name, replicas, plan, "ar")
+    post_divide = plan.reduction.post_divide
+    if post_divide is not None and post_divide != 1:
+        flat = flat / post_divide
     return flat
 
 
@@ -253,7 +201,7 @@ class _GatherGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, plan: _GatherPlan, extra: torch.Tensor | None, *shards: torch.Tensor
+        ctx: Any, plan: GroupDescription, extra: torch.Tensor | None, *shards: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.plan = plan
         ctx.kept = extra is not None and plan.sync
@@ -262,21 +210,21 @@ class _GatherGroup(torch.autograd.Function):
         fulls: list[torch.Tensor | None] = [None] * len(shards)
         for piece in plan.pieces:  # one all-gather per compute dtype, in its own dtype
             parts = [
-                _padded(shards[i].to(plan.params[i].compute_dtype), plan.params[i]).reshape(-1)
+                _padded(shards[i].to(plan.slots[i].compute_dtype), plan.slots[i]).reshape(-1)
                 for i in piece
             ]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             if plan.world > 1:
-                flat = funcol_all_gather(flat, plan.world, plan.shard_group)
-            numels = [plan.params[i].padded_numel for i in piece]
+                flat = funcol_all_gather(flat, plan.world, plan.shard_group_name)
+            numels = [plan.slots[i].padded_numel for i in piece]
             blocks = torch.split(flat.view(plan.world, -1), numels, dim=1)
             for i, block in zip(piece, blocks, strict=True):
-                fulls[i] = _unranked(block, plan.params[i])
+                fulls[i] = _unranked(block, plan.slots[i])
         return tuple(t for t in fulls if t is not None)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        plan: _GatherPlan = ctx.plan
+        plan: GroupDescription = ctx.plan
         none: list[torch.Tensor | None] = [None] * len(grads)
         trainable = [i for i in range(len(grads)) if ctx.needs_input_grad[i + 2]]
         if not plan.sync:  # kept unreduced, in the accumulator's gradient
@@ -292,10 +240,10 @@ class _GatherGroup(torch.autograd.Function):
             (kept,) = ctx.saved_tensors
             flat = flat + kept
         flat = _reduce_flat(plan, flat)
-        pieces = torch.split(flat, [plan.params[i].padded_numel for i in members])
+        pieces = torch.split(flat, [plan.slots[i].padded_numel for i in members])
         out = list(none)
         for i, piece in zip(members, pieces, strict=True):
-            p = plan.params[i]
+            p = plan.slots[i]
             rows = piece.view(p.padded_shard).narrow(p.dim, 0, p.local_rows)
             out[i] = rows.to(p.orig_dtype)
         return (None, None, *out)
@@ -404,46 +352,70 @@ def check_traceable(group: ParamGroup) -> None:
         )
 
 
-# The GroupConfig fields the graph path reads. Passed to _plan_for one by one so that dynamo
-# guards on each value (a bool by value, an object by identity): set_requires_gradient_sync
-# replaces the config object, and a guard on that identity would recompile at every flip
-# instead of once per value.
+# How the graph path treats every GroupConfig field; tests/test_graph.py walks
+# dataclasses.fields(GroupConfig) against this table, so that a new field cannot be left to
+# one runtime:
+# - "described": part of the group's description (fully_shard.description), which both
+#   runtimes execute;
+# - "honoured": read by the graph path elsewhere (when it traces a forward);
+# - "refused": a value other than the default raises in check_traceable, naming the option;
+# - "no effect": it changes how the eager engine holds memory or buffers, never what is
+#   computed, and the traced graph has no such thing to change.
+CONFIG_FIELDS: dict[str, str] = {
+    "reshard_after_forward": "honoured",  # the gather recomputed in backward, or kept
+    "reshard_after_backward": "no effect",  # every traced forward gathers anew
+    "requires_gradient_sync": "described",
+    # the input and output casts; the dtypes each parameter gathers and reduces in are its own
+    # policy's, fixed by fully_shard, and in the description
+    "mp_policy": "honoured",
+    "quantization_policy": "refused",  # int8 gathers
+    "offload_policy": "refused",
+    "post_forward": "refused",  # reshard_after_forward=<int>
+    "requires_all_reduce": "refused",  # False on HSDP with sync on (partial sums kept)
+    "all_reduce_hook": "refused",
+    "gradient_divide_factor": "described",
+    "force_sum_reduction_for_comms": "described",
+    "unshard_in_backward": "described",  # False: nothing is gathered again in backward
+    "all_gather_comm": "refused",
+    "reduce_scatter_comm": "refused",
+    "reduce_scatter_unused_params": "described",
+    "reduce_scatter_max_input_buffers": "no effect",  # reduce inputs eager keeps in flight
+    "reduce_scatter_group": "described",
+    "allocate_from_process_group": "no effect",  # who allocates eager's buffers
+    "symm_mem_backend": "no effect",  # recorded
+    "keep_unsharded_storage": "refused",
+}
+
+# The fields the traced graph depends on, passed to _plan_for one by one so that dynamo guards
+# on each value (a bool by value, an object by identity): set_requires_gradient_sync replaces
+# the config object, and a guard on that identity would recompile at every flip instead of
+# once per value.
 _CONFIG_FIELDS = (
-    "requires_gradient_sync",
-    "requires_all_reduce",
-    "reduce_scatter_unused_params",
-    "gradient_divide_factor",
-    "force_sum_reduction_for_comms",
+    *(name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")),
     "mp_policy",
-    "quantization_policy",
-    "offload_policy",
-    "post_forward",
-    "all_gather_comm",
-    "reduce_scatter_comm",
-    "all_reduce_hook",
-    "keep_unsharded_storage",
 )
 
 
 @assume_constant_result
-def _plan_for(group: ParamGroup, *guarded: Any) -> _GatherPlan:
-    """:func:`gather_plan`, run for real when dynamo traces and kept as a constant.
+def _plan_for(group: ParamGroup, *guarded: Any) -> GroupDescription:
+    """The group's description (:mod:`fully_shard.description`), read for real when dynamo
+    traces and kept as a constant.
 
     ``guarded`` (the config fields, the comm, the observer counts) is passed only so that
     dynamo guards on it: a ``set_*`` call recompiles with the new value, a tool attached
     later is refused at that recompile.
     """
     check_traceable(group)
-    plan = gather_plan(group)
+    plan = group.description
     if not plan.sync:
         _ensure_accumulator(group, plan)
     return plan
 
 
-def _ensure_accumulator(group: ParamGroup, plan: _GatherPlan) -> None:
+def _ensure_accumulator(group: ParamGroup, plan: GroupDescription) -> None:
     """The leaf whose gradient keeps the packed gradients of unsynced compiled backwards."""
     numel = plan.world * sum(
-        p.padded_numel for p, sp in zip(plan.params, group.params, strict=True) if sp.requires_grad
+        p.padded_numel for p, sp in zip(plan.slots, group.params, strict=True) if sp.requires_grad
     )
     acc = group.graph_grads
     if acc is None or acc.numel() != numel or acc.dtype != plan.reduce_dtype:
@@ -456,51 +428,6 @@ def _ensure_accumulator(group: ParamGroup, plan: _GatherPlan) -> None:
         group.graph_grads = torch.zeros(
             numel, dtype=plan.reduce_dtype, device=group.info.device, requires_grad=True
         )
-
-
-def gather_plan(group: ParamGroup) -> _GatherPlan:
-    """The constants of ``group``'s gather and reduction, read now."""
-    info, config = group.info, group.config
-    # Each parameter's own policy (param_dtype_override_fn folded in), asked now for the
-    # dtype its shard has now.
-    params = tuple(
-        _ParamPlan.of(p.layout, p.mp_policy.compute_dtype(p.orig_dtype), p.orig_dtype)
-        for p in group.params
-    )
-    first = group.params[0]
-    reduce_dtype = first.mp_policy.reduce_dtype_for(first.orig_dtype)
-    pieces: dict[torch.dtype, list[int]] = {}
-    for i, p in enumerate(params):
-        pieces.setdefault(p.compute_dtype, []).append(i)
-    plan = plan_reduction(
-        reduce_dtype,
-        info.shard_size,
-        info.replicate_size,
-        factor=config.gradient_divide_factor,
-        force_sum=config.force_sum_reduction_for_comms,
-        device_type=info.device.type,
-    )
-    replicate = info.replicate_group
-    native_avg = dist.get_backend(info.shard_group) != dist.Backend.GLOO
-    return _GatherPlan(
-        label=group.label,
-        params=params,
-        world=info.shard_size,
-        shard_group=info.shard_group.group_name,
-        replicate_group=None if replicate is None else replicate.group_name,
-        replicate_size=info.replicate_size,
-        reduce_dtype=reduce_dtype,
-        reduce_scatter=plan.reduce_scatter,
-        one_rank_divisor=plan.reduce_scatter.divisor(group_size=1),
-        all_reduce=plan.all_reduce,
-        post_divide=plan.post_divide,
-        native_avg=native_avg,
-        by_exchange=not native_avg and _EXCHANGE_ON_GLOO,
-        sync=config.requires_gradient_sync,
-        reduce_unused=config.reduce_scatter_unused_params,
-        device=info.device,
-        pieces=tuple(tuple(ix) for ix in pieces.values()),
-    )
 
 
 def _local(p: Any) -> torch.Tensor:
@@ -527,7 +454,10 @@ def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
         extra = acc.grad
         acc.grad = None
     gather = functools.partial(_GatherGroup.apply, plan)
-    if not reshard:
+    if not reshard or not plan.unshard_in_backward:
+        # Kept: saved like any activation, what backward uses of it. unshard_in_backward=False
+        # says backward needs none of the parameters (an embedding's), so nothing is saved
+        # and nothing is gathered again, as in the eager engine.
         return gather(extra, *shards)  # type: ignore[no-any-return]
     # Recomputed in backward (a non-reentrant checkpoint of the gather alone, which dynamo
     # and AOTAutograd turn into recompute tags): no gathered parameter is kept from forward

@@ -32,14 +32,13 @@ from torch import nn
 from ._compat import local_tensor, profiler_enabled, set_grad_enabled, version
 from .collectives import (
     Comm,
-    ReducePlan,
     Reduction,
     UserAllGather,
     UserReduceScatter,
     Waitable,
     divide_,
-    plan_reduction,
 )
+from .description import GroupDescription, describe, offsets
 from .errors import FullyShardStateError
 from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
@@ -156,7 +155,7 @@ class _PendingGather:
     output: torch.Tensor | None
     world: int
     inputs: list[list[GatherInput]]  # per parameter
-    sizes: list[int]  # per input, in wire elements
+    sizes: tuple[int, ...]  # per input, in wire elements
 
 
 @dataclass
@@ -214,7 +213,10 @@ class ParamGroup:
         self.params = params
         self.modules = modules
         self.info = info
-        self.config = config
+        self._config = config
+        # What the group moves (fully_shard.description), read at the first use after the
+        # config or the shards changed: both runtimes execute it.
+        self._description: GroupDescription | None = None
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
@@ -245,6 +247,33 @@ class ParamGroup:
         # Each module's qualified name under the root ("" for the root), from the same moment:
         # messages name parameters from the root, as the user's state_dict() keys do.
         self.module_names: tuple[str, ...] = ()
+
+    @property
+    def config(self) -> GroupConfig:
+        """The group's options; assigning new ones (``FSDPModule.set_*``) renews the
+        description."""
+        return self._config
+
+    @config.setter
+    def config(self, config: GroupConfig) -> None:
+        self._config = config
+        self._description = None
+
+    @property
+    def description(self) -> GroupDescription:
+        """What the group moves (:class:`~fully_shard.description.GroupDescription`), read once
+        per config and shards and executed by both runtimes."""
+        desc = self._description
+        if desc is None:
+            desc = self._description = describe(self.params, self.info, self._config)
+        return desc
+
+    def sync_with_module(self) -> None:
+        """Pick up the shards ``Module._apply`` replaced (``to()``, ``to_empty()``) and read
+        the description again at its next use: dtypes and sides may have changed."""
+        for p in self.params:
+            p.sync_with_module(self._config.quantization_policy)
+        self._description = None
 
     def __repr__(self) -> str:
         quant = self.config.quantization_policy
@@ -302,8 +331,8 @@ class ParamGroup:
         self._initialized = True
         self.module_names = module_names
         sub = self.config.post_forward
+        self.sync_with_module()
         for p in self.params:
-            p.sync_with_module(self.config.quantization_policy)
             if sub is not None:  # hooks patched on since fully_shard: refused as it would
                 own = local_tensor(p.sharded_param)
                 check_extension_plan(own, p.fqn, p.shard_dim, p.tp is not None, sub.size)
@@ -338,9 +367,11 @@ class ParamGroup:
         self.begin("unshard")
         if not self.params:
             return
-        group, world, rank = self.info.shard_group, self.info.shard_size, self.info.shard_rank
+        desc = self.description
+        group, world, rank = desc.shard_group, desc.world, desc.rank
         sub = self.config.post_forward
-        if sub is not None and self._pieces_usable():
+        pieces = sub is not None and self._pieces_usable()
+        if pieces and sub is not None:
             group, world, rank = sub.group, sub.size, sub.rank
         else:
             self._drop_pieces()
@@ -359,11 +390,15 @@ class ParamGroup:
             if not flat_inputs and self.config.all_gather_comm is None:
                 # Nothing to send (one shard rank, every shard its unsharded tensor): no
                 # buffer, no copy, no collective; wait_for_unshard shows the parameters.
-                self._gather = _PendingGather(None, None, world, inputs, [])
+                self._gather = _PendingGather(None, None, world, inputs, ())
                 return
-            wire = wire_dtype([gi.dtype for gi in flat_inputs])
-            sizes = split_sizes(flat_inputs, wire)
-            total = sum(sizes)
+            wire: torch.dtype | None = desc.wire_dtype
+            if wire is not None and not pieces:  # plain shards: the layout decided once
+                sizes, total = desc.gather_sizes, desc.gather_total
+            else:  # the sources decide (a subclass's inputs, int8 blocks, post-forward pieces)
+                wire = wire_dtype([gi.dtype for gi in flat_inputs])
+                sizes = tuple(split_sizes(flat_inputs, wire))
+                total = sum(sizes)
             # In place: this rank's input is its own slice of the output, so no separate
             # input buffer exists.
             output = allocate_buffer(
@@ -442,7 +477,7 @@ class ParamGroup:
             for p in self.params:
                 p.finish_all_gather(None)
             return
-        blocks = list(torch.split(output.view(world, -1), pending.sizes, dim=1))
+        blocks = list(torch.split(output.view(world, -1), list(pending.sizes), dim=1))
         for p, inputs in zip(self.params, pending.inputs, strict=True):
             mine, blocks = blocks[: len(inputs)], blocks[len(inputs) :]
             p.finish_all_gather(mine)
@@ -511,50 +546,50 @@ class ParamGroup:
 
         Packed: every trainable parameter with a gradient (and, with
         ``reduce_scatter_unused_params``, every trainable one: zeros where none came; with
-        a partial HSDP sum pending, the parameters in it), in group order.
+        a partial HSDP sum pending, the parameters in it), in group order, at the offsets
+        :func:`~fully_shard.description.offsets` gives.
         """
-        trainable = [p for p in self.params if p.sharded_param.requires_grad]
+        desc = self.description
+        params = self.params
+        trainable = [i for i, p in enumerate(params) if p.sharded_param.requires_grad]
         if not self.config.requires_gradient_sync:
-            for p in trainable:
-                p.keep_unsharded_grad(p.mp_policy.reduce_dtype_for(p.orig_dtype))
+            for i in trainable:
+                params[i].keep_unsharded_grad(desc.reduce_dtype)
             return
         self.finish_reduce()  # a reduction still in flight from an earlier backward
         partial = self._partial_reduce
-        grads = [(p, p.take_unsharded_grad()) for p in trainable]
+        grads = [(i, params[i].take_unsharded_grad()) for i in trainable]
         packed = [
-            (p, g)
-            for p, g in grads
+            (i, g)
+            for i, g in grads
             if g is not None
-            or self.config.reduce_scatter_unused_params
-            or (partial is not None and partial.slice_of(p) is not None)
+            or desc.reduce_unused
+            or (partial is not None and partial.slice_of(params[i]) is not None)
         ]
         if not packed:
             return
-        first = packed[0][0]  # one reduce dtype per group (fully_shard checked it)
-        reduce_dtype = first.mp_policy.reduce_dtype_for(first.orig_dtype)
-        world = self.info.shard_size
-        if world == 1 and self._reduces_to_itself(packed, reduce_dtype):
+        world = desc.world
+        if world == 1 and self._reduces_to_itself(packed, desc.reduce_dtype):
             direct = [g for _, g in packed if g is not None]
-            self._pending_reduce = _DirectReduce([p for p, _ in packed], direct)
+            self._pending_reduce = _DirectReduce([params[i] for i, _ in packed], direct)
             return
         allocator = self._allocator(self.config.reduce_scatter_comm)
-        device = self.info.device
-        flat_in, offsets, total = self._pack(packed, world, reduce_dtype, allocator)
-        params = [p for p, _ in packed]
+        flat_in, starts, total = self._pack(packed, desc, allocator)
+        members = [params[i] for i, _ in packed]
         # The unsharded gradients are in the buffer now: free them before the reduce-scatter
         # output is allocated (a vocabulary-sized head packed last would otherwise stay
         # alive beside it).
         del grads, packed
-        rs = self._reduce_plan(reduce_dtype).reduce_scatter
+        rs = desc.reduction.reduce_scatter
         if world == 1 and self.config.reduce_scatter_comm is None:
             # One shard rank: the reduce-scatter's result is its input, divided as the op
             # would; no collective (HSDP's all-reduce over the replicas still follows).
             # (flat_in was made here and filled without autograd: nothing records the divide.)
-            divide_(flat_in, rs.divisor(group_size=1))
-            self._pending_reduce = _PendingReduce(None, flat_in, flat_in, params, offsets)
+            divide_(flat_in, desc.one_rank_divisor)
+            self._pending_reduce = _PendingReduce(None, flat_in, flat_in, members, starts)
             return
-        output = allocate_buffer(allocator, total, reduce_dtype, device)
-        group = self.config.reduce_scatter_group or self.info.shard_group
+        output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
+        group = desc.reduce_group
         comm = self.comm
         if self.config.reduce_scatter_comm is not None:
             comm = UserReduceScatter(self.config.reduce_scatter_comm)  # type: ignore[assignment]  # only reduce_scatter is called
@@ -563,33 +598,32 @@ class ParamGroup:
             CollectiveCall("reduce_scatter", flat_in, group),
             lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
         )
-        self._pending_reduce = _PendingReduce(work, output, flat_in, params, offsets)
+        self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
 
     def _pack(
         self,
-        packed: list[tuple[ShardedParam, torch.Tensor | None]],
-        world: int,
-        reduce_dtype: torch.dtype,
+        packed: list[tuple[int, torch.Tensor | None]],
+        desc: GroupDescription,
         allocator: Any,
     ) -> tuple[torch.Tensor, list[int], int]:
-        """The reduce-scatter input ``(W * total,)``, rank by rank, each parameter's offset in
-        a rank's ``total`` elements, and ``total``."""
-        numels = [p.padded_numel for p, _ in packed]
-        offsets = [sum(numels[:i]) for i in range(len(numels))]
-        total = sum(numels)
-        flat_in = allocate_buffer(allocator, world * total, reduce_dtype, self.info.device)
+        """The reduce-scatter input ``(W * total,)``, rank by rank, each packed parameter's
+        offset in a rank's ``total`` elements, and ``total``."""
+        starts, total = offsets(desc.slots, [i for i, _ in packed])
+        world = desc.world
+        flat_in = allocate_buffer(allocator, world * total, desc.reduce_dtype, desc.device)
         columns = flat_in.view(world, total)
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(False)  # a create_graph backward's gradients: copied, not recorded
         try:
-            for (p, g), off, n in zip(packed, offsets, numels, strict=True):
-                pack_grad(columns[:, off : off + n], g, p.shard_dim, p.layout.chunk)
+            for (i, g), off in zip(packed, starts, strict=True):
+                slot = desc.slots[i]
+                pack_grad(columns[:, off : off + slot.padded_numel], g, slot.dim, slot.chunk)
         finally:
             set_grad_enabled(grad_was)
-        return flat_in, offsets, total
+        return flat_in, starts, total
 
     def _reduces_to_itself(
-        self, packed: list[tuple[ShardedParam, torch.Tensor | None]], reduce_dtype: torch.dtype
+        self, packed: list[tuple[int, torch.Tensor | None]], reduce_dtype: torch.dtype
     ) -> bool:
         """One shard rank: whether each gradient already is its reduction (no replicas, no
         divide factor, no user comm or hook) in the form the sharded gradient takes (the
@@ -602,8 +636,8 @@ class ParamGroup:
             or config.all_reduce_hook is not None
         ):
             return False
-        for p, g in packed:
-            local = p.local_shard
+        for i, g in packed:
+            local = self.params[i].local_shard
             if (
                 g is None
                 or g.requires_grad
@@ -614,16 +648,6 @@ class ParamGroup:
             ):
                 return False
         return True
-
-    def _reduce_plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
-        return plan_reduction(
-            reduce_dtype,
-            self.info.shard_size,
-            self.info.replicate_size,
-            factor=self.config.gradient_divide_factor,
-            force_sum=self.config.force_sum_reduction_for_comms,
-            device_type=self.info.device.type,
-        )
 
     def finish_reduce(self) -> None:
         """Wait for the in-flight reduce-scatter, all-reduce (HSDP), add into the sharded grads.
@@ -642,7 +666,7 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         output = pending.output
-        plan = self._reduce_plan(output.dtype)
+        plan = self.description.reduction
         replicate_group = self.info.replicate_group
         if replicate_group is not None:
             partial = self._partial_reduce

@@ -807,8 +807,7 @@ class FSDPModule(nn.Module):
             group.reshard()
         out: nn.Module = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for group in self._fsdp_state.groups:
-            for p in group.params:
-                p.sync_with_module(group.config.quantization_policy)
+            group.sync_with_module()
         return out
 
 
