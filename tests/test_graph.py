@@ -651,3 +651,142 @@ def test_inductor_collective_passes_train_exactly(recipe: str) -> None:
             assert fw == {"all_gather_into_tensor": 3, "wait_tensor": 3}, fw
             assert bw == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3, "wait_tensor": 5}
             assert len(fw_gaps) == 3 and len(bw_gaps) == 5 and max(fw_gaps + bw_gaps) > 0
+
+
+# -- one description, two runtimes ------------------------------------------------------------
+
+
+class _UserComm:
+    """A user's AllGather / ReduceScatter (never issued here)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("never issued")
+
+
+def _walk_config_fields() -> dict[str, str]:
+    """Every GroupConfig field against graph.CONFIG_FIELDS, on an HSDP group (2 replicas of
+    one shard rank, so that every option applies): a "described" field changes the
+    description, a "refused" one makes check_traceable raise, the others change neither."""
+    import dataclasses
+
+    from fully_shard import QuantizationPolicy
+    from fully_shard.description import describe
+    from fully_shard.group import GroupConfig
+    from fully_shard.mesh import post_forward_subgroup
+
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    fully_shard(model, mesh=device_mesh((2, 1), ("rep", "shard")))
+    (group,) = model._fsdp_state.groups  # type: ignore[attr-defined]
+    model(_batch(0, 2)[0])  # lazy init: the unsharded sides are chosen
+    base = group.config
+    others = {
+        "reshard_after_forward": False,
+        "reshard_after_backward": False,
+        "requires_gradient_sync": False,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        "quantization_policy": QuantizationPolicy(all_gather="int8", block_size=8),
+        "offload_policy": CPUOffloadPolicy(),
+        "post_forward": post_forward_subgroup(group.info, 1),
+        "requires_all_reduce": False,
+        "all_reduce_hook": lambda t: None,
+        "gradient_divide_factor": 3.0,
+        "force_sum_reduction_for_comms": True,
+        "unshard_in_backward": False,
+        "all_gather_comm": _UserComm(),
+        "reduce_scatter_comm": _UserComm(),
+        "reduce_scatter_unused_params": True,
+        "reduce_scatter_max_input_buffers": 2,
+        "reduce_scatter_group": torch.distributed.new_group(),
+        "allocate_from_process_group": True,
+        "symm_mem_backend": "NCCL",
+        "keep_unsharded_storage": True,
+    }
+    before = describe(group.params, group.info, base)
+    seen = {}
+    for f in dataclasses.fields(GroupConfig):
+        how = graph.CONFIG_FIELDS.get(f.name)
+        assert how is not None, f"GroupConfig.{f.name} is not in graph.CONFIG_FIELDS"
+        changed = dataclasses.replace(base, **{f.name: others[f.name]})
+        described = describe(group.params, group.info, changed) != before
+        group.config = changed
+        try:
+            graph.check_traceable(group)
+            refused = ""
+        except FullyShardNotImplementedError as e:
+            refused = str(e)
+        finally:
+            group.config = base
+        assert described == (how == "described"), (f.name, how)
+        assert bool(refused) == (how == "refused"), (f.name, how, refused)
+        seen[f.name] = how
+    assert group.description == before  # restoring the config renews it as it was
+    return seen
+
+
+def test_every_config_field_is_described_refused_or_without_effect_on_the_graph() -> None:
+    from fully_shard.group import GroupConfig
+
+    seen = run_distributed(_walk_config_fields, 2)[0]
+    assert set(seen) == {f.name for f in __import__("dataclasses").fields(GroupConfig)}
+
+
+class _SpyComm:
+    """Records what the eager engine sends: (op, dtype, numel, the Reduction)."""
+
+    def __init__(self) -> None:
+        from fully_shard import TorchComm
+
+        self.inner = TorchComm()
+        self.records: list[tuple[str, torch.dtype, int, Any]] = []
+
+    def all_gather(self, output: Any, input: Any, group: Any, async_op: bool) -> Any:
+        self.records.append(("all_gather", input.dtype, input.numel(), None))
+        return self.inner.all_gather(output, input, group, async_op)
+
+    def reduce_scatter(self, output: Any, input: Any, group: Any, reduction: Any, **kw: Any) -> Any:
+        self.records.append(("reduce_scatter", input.dtype, input.numel(), reduction))
+        return self.inner.reduce_scatter(output, input, group, reduction, **kw)
+
+    def all_reduce(self, tensor: Any, group: Any, reduction: Any, **kw: Any) -> Any:
+        self.records.append(("all_reduce", tensor.dtype, tensor.numel(), reduction))
+        return self.inner.all_reduce(tensor, group, reduction, **kw)
+
+
+def _both_runtimes_read_one_description(option: str) -> list[str]:
+    """What the eager engine sends is what each group's description says (dtypes, buffer
+    lengths, the reduction), and the graph path's plan is that very description."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _shard(model, mesh_1d(), **({"mp_policy": mp} if option == "bf16" else {}))
+    if option == "divide":
+        model.set_gradient_divide_factor(3.0)  # type: ignore[operator]
+    spy = _SpyComm()
+    model.set_comm(spy)  # type: ignore[operator]
+    loss_fn(model(_batch(0, 2)[0]), _batch(0, 2)[1]).backward()
+    model.set_comm(spy.inner)  # type: ignore[operator]  # torch's collectives: traceable
+    groups = [g for m in model.modules() if hasattr(m, "_fsdp_state") for g in m._fsdp_state.groups]
+    gathers, reduces = [], []
+    for g in groups:
+        d = g.description
+        assert graph._plan_for(g) is d  # the traced runtime executes the same object
+        gathers.append((d.wire_dtype, d.gather_total))
+        reduces.append((d.reduce_dtype, d.world * sum(s.padded_numel for s in d.slots), d))
+    got_gathers = {(dtype, n) for op, dtype, n, _ in spy.records if op == "all_gather"}
+    assert got_gathers == set(gathers), (got_gathers, gathers)
+    for op, dtype, n, reduction in spy.records:
+        if op == "reduce_scatter":
+            match = [d for rd, total, d in reduces if (rd, total) == (dtype, n)]
+            assert match and reduction == match[0].reduction.reduce_scatter, (dtype, n, reduction)
+    return sorted({str(dtype) for _, dtype, _, _ in spy.records})
+
+
+@pytest.mark.parametrize("option", ["fp32", "bf16", "divide"])
+def test_eager_sends_what_the_description_says(option: str) -> None:
+    dtypes = run_distributed(_both_runtimes_read_one_description, 2, option)[0]
+    assert ("torch.bfloat16" in dtypes) == (option == "bf16"), dtypes
