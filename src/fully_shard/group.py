@@ -213,10 +213,12 @@ class ParamGroup:
         self.params = params
         self.modules = modules
         self.info = info
-        self._config = config
+        self.config = config
         # What the group moves (fully_shard.description), read at the first use after the
-        # config or the shards changed: both runtimes execute it.
+        # config (a set_* call replaces the object) or the shards changed, and the config it
+        # was read from: both runtimes execute it.
         self._description: GroupDescription | None = None
+        self._described: GroupConfig | None = None
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
@@ -249,30 +251,21 @@ class ParamGroup:
         self.module_names: tuple[str, ...] = ()
 
     @property
-    def config(self) -> GroupConfig:
-        """The group's options; assigning new ones (``FSDPModule.set_*``) renews the
-        description."""
-        return self._config
-
-    @config.setter
-    def config(self, config: GroupConfig) -> None:
-        self._config = config
-        self._description = None
-
-    @property
     def description(self) -> GroupDescription:
         """What the group moves (:class:`~fully_shard.description.GroupDescription`), read once
-        per config and shards and executed by both runtimes."""
-        desc = self._description
-        if desc is None:
-            desc = self._description = describe(self.params, self.info, self._config)
+        per config object (``set_*`` calls replace it) and per set of shards, and executed by
+        both runtimes."""
+        desc, config = self._description, self.config
+        if desc is None or self._described is not config:
+            desc = self._description = describe(self.params, self.info, config)
+            self._described = config
         return desc
 
     def sync_with_module(self) -> None:
         """Pick up the shards ``Module._apply`` replaced (``to()``, ``to_empty()``) and read
         the description again at its next use: dtypes and sides may have changed."""
         for p in self.params:
-            p.sync_with_module(self._config.quantization_policy)
+            p.sync_with_module(self.config.quantization_policy)
         self._description = None
 
     def __repr__(self) -> str:
