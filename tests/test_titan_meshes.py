@@ -204,7 +204,13 @@ def _placement_fn(moe: SoftMoE, meshes: dict[str, DeviceMesh], result: str) -> A
 
 
 def _shard_moe(
-    model: nn.Module, dp: DeviceMesh, *, ep: int, result: str, impl: Any = fully_shard
+    model: nn.Module,
+    dp: DeviceMesh,
+    *,
+    ep: int,
+    result: str,
+    impl: Any = fully_shard,
+    reshard: bool | int = True,
 ) -> None:
     assert isinstance(model, MoENet)
     meshes = titan_meshes(ep=ep)
@@ -214,8 +220,9 @@ def _shard_moe(
         w = getattr(moe, name)
         setattr(moe, name, nn.Parameter(distribute_tensor(w.detach(), meshes["ep"], [Shard(0)])))
     mp = MixedPrecisionPolicy(cast_forward_inputs=False)
-    impl(model.layers[0], mesh=dp, mp_policy=mp)
-    impl(moe, mesh=dp, mp_policy=mp, shard_placement_fn=_placement_fn(moe, meshes, result))
+    blocks = {"mesh": dp, "mp_policy": mp, "reshard_after_forward": reshard}
+    impl(model.layers[0], **blocks)
+    impl(moe, **blocks, shard_placement_fn=_placement_fn(moe, meshes, result))
     impl(model, mesh=dp, mp_policy=mp)
 
 
@@ -273,6 +280,29 @@ def test_moe_with_expert_parallelism(
     dim1 = world > experts  # efsdp x ep > experts: torchtitan shards the experts' rows
     want = (Shard(1), Shard(0)) if dim1 else (strided_shard(0, ep), Shard(0))
     assert tuple(placements) == want, placements
+
+
+def _moe_resharding_to_two_ranks() -> dict[str, Any]:
+    """``reshard_after_forward=2`` on torchtitan's meshes: the dense blocks keep a 2-rank
+    piece of the 4-rank split between forward and backward, the experts (over 2 ranks) all of
+    theirs; the post-forward groups are found from the meshes' ranks."""
+    shard = functools.partial(_shard_moe, ep=2, result="ours", reshard=2)
+    meshes = titan_meshes(ep=2)
+    stats = dict(check_parity(lambda: MoENet(4), shard, make_rows, meshes["efsdp"], steps=3))
+    model = MoENet(4)
+    shard(model, meshes["dp"])
+    subgroups = [g.config.post_forward for g in model.layers[0]._fsdp_state.groups]
+    stats["pieces"] = [
+        (sub.size, sorted(dist.get_process_group_ranks(sub.group))) for sub in subgroups
+    ]
+    return stats
+
+
+def test_reshard_after_forward_to_two_ranks_on_unflattened_meshes() -> None:
+    for rank, stats in enumerate(run_distributed(_moe_resharding_to_two_ranks, 4)):
+        assert_stats_within(stats, 1e-5)
+        # the dense block's pieces: consecutive fsdp ranks (the world in order here)
+        assert stats["pieces"] == [(2, [0, 1] if rank < 2 else [2, 3])], stats["pieces"]
 
 
 def _shard_ep_by_tp(model: nn.Module, dp: DeviceMesh) -> None:

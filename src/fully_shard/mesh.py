@@ -141,20 +141,23 @@ def _subgroup_ranks(info: MeshInfo, size: int) -> list[list[int]]:
     """Every group of ``size`` consecutive shard ranks in the whole job, as global ranks.
 
     Every rank computes the same list (creating a group is collective over the default group):
-    the ranks of the mesh's root, the mesh's own dims moved last, in rows of ``size``.
+    the ranks of the mesh's root, the mesh's own dims moved last, in rows of ``size``. A mesh
+    whose dims its root does not name (unflattened from a world mesh, as torchtitan builds
+    them, or flattened) lists its copies itself: every rank sends its own copy's ranks (one
+    ``all_gather_object``, once per mesh and size), taken in the order of the first global
+    rank of each.
     """
     mesh = info.mesh
     root = root_mesh(mesh)
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is mesh:
         ranks = mesh.mesh
+    elif names is None or root_names is None or any(n not in root_names for n in names):
+        copies: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(copies, mesh.mesh.flatten().tolist())
+        unique = list(dict.fromkeys(tuple(copy) for copy in copies))
+        ranks = torch.tensor(unique)
     else:
-        names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-        if names is None or root_names is None or any(n not in root_names for n in names):
-            raise FullyShardNotImplementedError(
-                f"reshard_after_forward=<int> needs the mesh's dims {names} to be dims of its "
-                f"parent mesh {root} (a flattened sub-mesh is not supported); pass True or "
-                "False, or a mesh built with init_device_mesh"
-            )
         own = [root_names.index(n) for n in names]
         others = [d for d in range(root.ndim) if d not in own]
         ranks = root.mesh.permute(*others, *own)
