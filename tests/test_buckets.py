@@ -290,11 +290,24 @@ def _bad_caps() -> list[str]:
     assert all(s.bucket_cap is None for s in states)
     model.set_bucket_cap_mb(1)
     assert all(s.bucket_cap == 1024 * 1024 for s in states)
+    # every group has its own default TorchComm (no set_comm here): they still share buckets
+    for step in range(2):
+        loss_fn(*_step_inputs(model, step)).backward()
+    assert model._fsdp_state.root.buckets.sizes() == {  # type: ignore[union-attr]
+        "forward": [5],
+        "backward": [4],
+        "reduce": [5],
+    }
     return errors
 
 
+def _step_inputs(model: nn.Module, step: int) -> tuple[Tensor, Tensor]:
+    tokens, targets = make_token_batch(2, torch.Generator().manual_seed(step))
+    return model(tokens), targets
+
+
 def test_a_bad_cap_is_refused_before_anything_changes() -> None:
-    errors = run_distributed(_bad_caps, 1)[0]
+    errors = run_distributed(_bad_caps, 2)[0]
     assert [e.split(":")[0] for e in errors] == [
         "FullyShardValueError",
         "FullyShardValueError",

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ._compat import set_grad_enabled
-from .collectives import Waitable, divide_
+from .collectives import TorchComm, Waitable, divide_
 from .description import GroupDescription, offsets
 from .group import GroupState, ParamGroup, SharedReduce
 from .observer import CollectiveCall, issue_observed
@@ -82,6 +82,13 @@ def _offloaded(group: ParamGroup) -> bool:
     return group.config.offload_policy.shard_device(group.info.device) != group.info.device
 
 
+def _comm_key(group: ParamGroup) -> Hashable:
+    """Groups with the default collectives (one stateless ``TorchComm`` each) agree; a comm
+    set with ``set_comm`` (a counter, a tool) is matched by identity."""
+    comm = group.comm
+    return TorchComm if type(comm) is TorchComm else id(comm)
+
+
 def gather_key(group: ParamGroup) -> Hashable | None:
     """What must agree for two groups to share an all-gather; ``None``: never shared (one
     shard rank, a source that decides its own inputs: int8, a tensor subclass; a custom
@@ -95,7 +102,7 @@ def gather_key(group: ParamGroup) -> Hashable | None:
         or _offloaded(group)
     ):
         return None
-    comm = id(group.comm)
+    comm = _comm_key(group)
     return (id(d.shard_group), d.wire_dtype, d.device, c.allocate_from_process_group, comm)
 
 
@@ -120,7 +127,7 @@ def reduce_key(group: ParamGroup) -> Hashable | None:
         d.device,
         d.sync,
         c.allocate_from_process_group,
-        id(group.comm),
+        _comm_key(group),
     )
 
 
