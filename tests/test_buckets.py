@@ -183,8 +183,8 @@ def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(c
 def test_the_cap_decides_the_buckets_and_the_collectives() -> None:
     for seen in run_distributed(_parity, 2, "reshard", TWO_BLOCKS):
         assert seen["stats"]["max_param_diff"] < 1e-5
-        # forward [root, 0] [1, 2] [3]; backward gathers [3, 2] [1, 0]; reductions (backward
-        # order) [root, 3] [2, 1] [0]
+        # forward [root, 0] [1, 2] [3]; backward gathers [3, 2] [1, 0]; reductions, in the
+        # order backward finishes the groups (the root last): [3, 2] [1, 0] [root]
         assert seen["sizes"] == {"forward": [2, 2, 1], "backward": [2, 2], "reduce": [2, 2, 1]}
         assert seen["forward"] == {"all_gather": 3}
         assert seen["backward"] == {"all_gather": 2, "reduce_scatter": 3}

@@ -285,12 +285,16 @@ def _refresh_buckets(ctx: RootContext) -> None:
 
 
 def _plan_buckets(ctx: RootContext) -> Buckets | None:
-    """Runs of the groups in forward order, in backward order (those that gather again
-    there), and in backward order for reductions (fully_shard.bucket)."""
+    """Runs of the groups in forward order, in the order backward starts them (those that
+    gather again there) and in the order backward finishes them, for reductions
+    (fully_shard.bucket). A module's backward starts in the reverse order of the forwards'
+    ends and finishes in the reverse order of their starts: the root, whose forward holds
+    every other, starts backward first and finishes it last."""
     owner = {g: s for s in ctx.states for g in s.groups}
     forward = [g for s in ctx.forward_order for g in s.groups if g.params]
-    backward = [g for s in reversed(ctx.post_forward_order) for g in s.groups if g.params]
-    again = [g for g in backward if owner[g].reshard_after_forward and g.config.unshard_in_backward]
+    starts = [g for s in reversed(ctx.post_forward_order) for g in s.groups if g.params]
+    again = [g for g in starts if owner[g].reshard_after_forward and g.config.unshard_in_backward]
+    ends = forward[::-1]
 
     def cap(group: ParamGroup) -> int | None:
         return owner[group].bucket_cap
@@ -310,7 +314,7 @@ def _plan_buckets(ctx: RootContext) -> Buckets | None:
     buckets = Buckets(
         runs_of(forward, gather_key, lambda g: gather_bytes(g.description), cap),
         runs_of(again, gather_key, lambda g: gather_bytes(g.description), cap),
-        runs_of(backward, reduce_key, lambda g: reduce_bytes(g.description), cap),
+        runs_of(ends, reduce_key, lambda g: reduce_bytes(g.description), cap),
         in_backward=lambda: ctx.it.in_backward,
         claim=claim,
     )
