@@ -121,6 +121,8 @@ CASES = {
     "checkpoint": ({"checkpoint": True}, {}, {}),
     "skip": ({"skips": True}, {}, {}),
     "hsdp": ({}, {"hsdp": True}, {}),
+    # W = 4, resharded to pairs after forward: no gather is bucketed, the reductions are
+    "reshard-int": ({}, {"reshard_after_forward": 2}, {}),
 }
 
 
@@ -163,12 +165,13 @@ ONE_BUCKET = {
     "checkpoint": (1, 1, 1),
     "skip": (1, 1, 1),
     "hsdp": (1, 1, 1),
+    "reshard-int": (5, 5, 1),  # the root reshards to pairs too: it gathers again
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(case: str) -> None:
-    world = 4 if case == "hsdp" else 2
+    world = 4 if case in ("hsdp", "reshard-int") else 2
     for seen in run_distributed(_parity, world, case, ALL):
         assert seen["stats"]["max_param_diff"] < 1e-5
         forward, backward, reduce = ONE_BUCKET[case]
@@ -178,6 +181,12 @@ def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(c
             want["all_reduce"] = reduce  # one per reduce bucket, over the replicas
         assert seen["backward"] == {k: v for k, v in want.items() if v}, seen
         assert seen["sharded"]
+        sizes = seen["sizes"]  # one collective per bucket
+        assert (len(sizes["forward"]), len(sizes["backward"]), len(sizes["reduce"])) == (
+            forward,
+            backward or len(sizes["backward"]),
+            reduce,
+        )
 
 
 def test_the_cap_decides_the_buckets_and_the_collectives() -> None:
