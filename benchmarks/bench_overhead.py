@@ -8,6 +8,8 @@ rank, ``torch.optim.SGD(foreach=True)``. One step is forward, an MSE loss, backw
 
 * ``ours`` -- :func:`fully_shard.fully_shard` on every block, then on the root: blocks + 1
   groups (the root's owns no parameter here);
+* ``ours-buckets`` (with ``--bucket-cap-mb``) -- the same, with ``set_bucket_cap_mb``: the
+  groups' collectives merged into buckets (:mod:`fully_shard.bucket`);
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
 * ``plain`` (W = 1) -- the model itself, no wrapper: the floor;
 * ``ddp`` (W >= 2) -- ``DistributedDataParallel``: the floor with gradient synchronisation.
@@ -74,9 +76,10 @@ from torch.nn.parallel import DistributedDataParallel
 import fully_shard as fs
 from fully_shard.demo import leave_rank
 
-IMPLS = ("ours", "fsdp2", "plain", "ddp")
+IMPLS = ("ours", "ours-buckets", "fsdp2", "plain", "ddp")
 LABELS = {
     "ours": "fully_shard (ours)",
+    "ours-buckets": "ours, buckets",
     "fsdp2": "torch fully_shard",
     "plain": "plain model",
     "ddp": "torch DDP",
@@ -99,6 +102,7 @@ class RunOptions:
     seed: int
     lr: float
     profile: int
+    bucket_cap_mb: float | None = None  # ours-buckets
 
 
 def floor_of(world: int) -> str:
@@ -116,11 +120,13 @@ def make_model(blocks: int, seed: int) -> nn.Sequential:
 def build(impl: str, opts: RunOptions, mesh: DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model from the run's seed, wrapped by ``impl``, and its SGD."""
     model: nn.Module = make_model(opts.blocks, opts.seed)
-    if impl in ("ours", "fsdp2"):
-        shard: Callable[..., Any] = fs.fully_shard if impl == "ours" else torch_fully_shard
+    if impl in ("ours", "ours-buckets", "fsdp2"):
+        shard: Callable[..., Any] = torch_fully_shard if impl == "fsdp2" else fs.fully_shard
         for block in model:
             shard(block, mesh=mesh)
         shard(model, mesh=mesh)
+        if impl == "ours-buckets":
+            model.set_bucket_cap_mb(opts.bucket_cap_mb)  # type: ignore[operator]
     elif impl == "ddp":
         model = DistributedDataParallel(model)
     elif impl != "plain":
@@ -323,7 +329,9 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 1e3 * (rec["step_ms"]["median"] - base["step_ms"]["median"]) / groups
             )
     ratios = {}
-    for mine, other in (("ours", floor), ("fsdp2", floor), ("ours", "fsdp2")):
+    pairs = [("ours", floor), ("fsdp2", floor), ("ours", "fsdp2")]
+    pairs += [("ours-buckets", floor), ("ours-buckets", "ours")]
+    for mine, other in pairs:
         if mine in impls and other in impls:
             ratios[f"{mine}/{other}"] = {
                 "step_time_median": impls[mine]["step_ms"]["median"]
@@ -410,6 +418,12 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
         default="ours,fsdp2,floor",
         help="comma-separated subset of ours,fsdp2,floor (floor: plain at W=1, DDP above)",
     )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="also run ours-buckets (next to ours) with set_bucket_cap_mb(this many MiB)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
@@ -430,6 +444,11 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
         parser.error("--blocks, --batch, --steps and --round-steps must be >= 1")
     if args.warmup < 0 or args.profile < 0:
         parser.error("--warmup and --profile must be >= 0")
+    if args.bucket_cap_mb is not None:
+        if not args.bucket_cap_mb > 0:
+            parser.error("--bucket-cap-mb must be > 0")
+        at = names.index("ours") + 1 if "ours" in names else 0
+        names.insert(at, "ours-buckets")
     runs = [
         RunOptions(
             blocks=args.blocks,
@@ -442,6 +461,7 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
             seed=args.seed,
             lr=args.lr,
             profile=args.profile,
+            bucket_cap_mb=args.bucket_cap_mb,
         )
         for w in worlds
     ]

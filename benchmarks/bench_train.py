@@ -93,9 +93,10 @@ IMPLS = (
     "ours-graph-reorder",
     "fsdp2-compiled",
     "ddp-compiled",
+    "ours-buckets",
 )
 DEFAULT_IMPLS = IMPLS[:4]
-OURS = ("ours", "ours-int8", "ours-nogather", "ours-graph", "ours-graph-reorder")
+OURS = ("ours", "ours-int8", "ours-nogather", "ours-graph", "ours-graph-reorder", "ours-buckets")
 ZERO3 = (*OURS, "fsdp2", "fsdp2-compiled")
 # Compiled with torch.compile (--compile-backend): their collectives are in the compiled code,
 # where no Comm can count them, so their bytes are not measured.
@@ -122,6 +123,7 @@ LABELS = {
     "ours-graph-reorder": "ours, graph reord.",
     "fsdp2-compiled": "FSDP2, blocks comp.",
     "ddp-compiled": "DDP, compiled",
+    "ours-buckets": "ours, buckets",
 }
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
@@ -348,6 +350,7 @@ class RunOptions:
     block_size: int = 256
     backend: str = "gloo"  # "nccl" for --device cuda unless --backend gloo
     compile_backend: str = "inductor"  # torch.compile's, for the compiled implementations
+    bucket_cap_mb: float = 25.0  # ours-buckets: set_bucket_cap_mb (DDP's default cap)
 
     @property
     def quantization(self) -> fs.QuantizationPolicy:
@@ -417,6 +420,8 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
         shard(model, mesh=ctx.mesh)
         if impl == "ours-nogather":
             model.set_comm(NoGatherComm())  # type: ignore[operator]
+        if impl == "ours-buckets":
+            model.set_bucket_cap_mb(ctx.opts.bucket_cap_mb)  # type: ignore[operator]
         optim = _adamw(model, ctx)
         if impl == "ours-graph":
             model = torch.compile(model, backend=compile_backend, fullgraph=True)  # type: ignore[assignment]
@@ -1135,6 +1140,12 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         default="inductor",
         help="torch.compile backend of ours-graph, fsdp2-compiled, ddp-compiled (default inductor)",
     )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="ours-buckets: set_bucket_cap_mb, MiB per bucket (default 25, DDP's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
@@ -1153,6 +1164,8 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
     steps = DEFAULT_STEPS[args.size] if args.steps is None else args.steps
     if args.block_size < 1:
         parser.error("--block-size must be >= 1")
+    if not args.bucket_cap_mb > 0:
+        parser.error("--bucket-cap-mb must be > 0")
     if steps < 1 or args.warmup < 0 or args.round_steps < 1:
         parser.error("--steps and --round-steps must be >= 1, --warmup >= 0")
     backend = args.backend
@@ -1183,6 +1196,7 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         foreach=args.foreach,
         block_size=args.block_size,
         compile_backend=args.compile_backend,
+        bucket_cap_mb=args.bucket_cap_mb,
     )
     return opts, args.json_out
 

@@ -23,7 +23,7 @@ import contextlib
 import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -179,6 +179,34 @@ class _DirectReduce:
 
 
 @dataclass
+class SharedReduce:
+    """A reduction that a bucket (:mod:`fully_shard.bucket`) issued for several groups at once:
+    every member holds the same one, and finishing it from any member finishes them all.
+
+    Attributes:
+        work: the bucket's collective (waited at most once), read on a reset like the others'.
+        finish: waits for it and adds each member's slice into its sharded gradients.
+    """
+
+    work: Waitable | None
+    finish: Callable[[], None]
+
+
+class Bucketing(Protocol):
+    """What a group asks of the bucket it belongs to (:class:`fully_shard.bucket.Buckets`):
+    whether the bucket takes over this unshard, or this reduction, for several groups at once.
+    """
+
+    def unshard(self, group: ParamGroup, async_op: bool) -> bool:
+        """Issue one all-gather for ``group`` and the bucket's next groups; False: not taken."""
+        ...
+
+    def park(self, group: ParamGroup, packed: list[tuple[int, torch.Tensor | None]]) -> bool:
+        """Keep ``group``'s gradients for the bucket's reduce-scatter; False: not taken."""
+        ...
+
+
+@dataclass
 class _PartialReduce:
     """HSDP with ``requires_all_reduce`` off: reduce-scattered, not yet all-reduced, summed."""
 
@@ -222,7 +250,9 @@ class ParamGroup:
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
-        self._pending_reduce: _PendingReduce | _DirectReduce | None = None
+        self._pending_reduce: _PendingReduce | _DirectReduce | SharedReduce | None = None
+        # The buckets this group's collectives merge into (set_bucket_cap_mb), or None.
+        self.bucket: Bucketing | None = None
         # Kept across backward passes (like gradients with sync off), not per iteration.
         self._partial_reduce: _PartialReduce | None = None
         # The graph path's gradient accumulator (fully_shard.graph): a leaf whose .grad sums
@@ -355,6 +385,8 @@ class ParamGroup:
     def unshard(self, async_op: bool) -> None:
         """Start gathering the full parameters (no-op unless SHARDED)."""
         if self.state is not GroupState.SHARDED:
+            return
+        if self.bucket is not None and self.bucket.unshard(self, async_op):
             return
         self._transition(GroupState.UNSHARDING, "unshard()")
         self.begin("unshard")
@@ -559,6 +591,8 @@ class ParamGroup:
             or desc.reduce_unused
             or (partial is not None and partial.slice_of(params[i]) is not None)
         ]
+        if self.bucket is not None and self.bucket.park(self, packed):
+            return
         if not packed:
             return
         world = desc.world
@@ -653,6 +687,9 @@ class ParamGroup:
         if pending is None:
             return
         self._pending_reduce = None
+        if isinstance(pending, SharedReduce):
+            pending.finish()
+            return
         if isinstance(pending, _DirectReduce):
             self._accumulate(zip(pending.params, pending.grads, strict=True))
             return
@@ -702,6 +739,53 @@ class ParamGroup:
 
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
+
+    # -- buckets (fully_shard.bucket): one collective for several groups ---------------------
+
+    def start_shared_gather(self) -> list[list[GatherInput]]:
+        """Begin an unshard whose all-gather a bucket issues: move to UNSHARDING and return
+        what each parameter sends (plain shards, laid out as the description says)."""
+        self._transition(GroupState.UNSHARDING, "unshard() (bucketed)")
+        self.begin("unshard")
+        self._drop_pieces()
+        self._gathered_versions = self.sharded_versions()
+        quant = self.config.quantization_policy
+        return [p.all_gather_inputs(quant) for p in self.params]
+
+    def adopt_gather(
+        self, work: Waitable | None, columns: torch.Tensor, inputs: list[list[GatherInput]]
+    ) -> None:
+        """The bucket's all-gather is out: ``columns`` ``(W, gather_total)`` is this group's
+        part of its ``(W, bucket total)`` buffer; :meth:`wait_for_unshard` waits for ``work``
+        (shared by the bucket's groups, so waited once) and copies them out."""
+        desc = self.description
+        self._gather = _PendingGather(work, columns, desc.world, inputs, desc.gather_sizes)
+
+    def adopt_reduce(self, shared: SharedReduce) -> None:
+        """The bucket's reduce-scatter carries this group's gradients: finishing it is this
+        group's :meth:`finish_reduce` (or any other member's)."""
+        self._pending_reduce = shared
+
+    def release_reduce(self, shared: SharedReduce) -> None:
+        """``shared`` is being finished by another member: nothing is left pending here."""
+        if self._pending_reduce is shared:
+            self._pending_reduce = None
+
+    def accumulate_reduced(
+        self, params: list[ShardedParam], output: torch.Tensor, starts: list[int]
+    ) -> None:
+        """Add each of ``params``' reduced rows (at ``starts`` in ``output``) into its grad."""
+        self._accumulate(
+            (p, p.local_grad_from(output[off : off + p.padded_numel]))
+            for p, off in zip(params, starts, strict=True)
+        )
+
+    def shares_reduction(self) -> bool:
+        """Whether a bucket may reduce this group's gradients now: no HSDP partial sum is kept
+        or to be kept (``requires_all_reduce`` off), which only this group's reduction adds."""
+        if self._partial_reduce is not None:
+            return False
+        return self.info.replicate_group is None or self.config.requires_all_reduce
 
     def discard_iteration_state(self) -> None:
         """After an exception: wait out collectives in flight, drop grads, free, reshard."""

@@ -56,6 +56,7 @@ from ._compat import (
     queue_end_of_backward,
     will_run_in_this_backward,
 )
+from .bucket import Buckets, gather_bytes, gather_key, reduce_bytes, reduce_key, runs_of
 from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .group import GroupConfig, GroupState, ParamGroup
 from .observer import SpanKind
@@ -222,6 +223,11 @@ class RootContext:
     # finalize_backward(async_op=True) not yet waited for: what finishes it (the next root
     # forward calls it if the caller did not).
     pending_finalization: Callable[[], None] | None = None
+    # set_bucket_cap_mb (fully_shard.bucket): the buckets planned from the recorded order, or
+    # None; planned again when a cap, a config or a description changed since (signature).
+    buckets: Buckets | None = None
+    buckets_dirty: bool = True
+    bucket_signature: list[Any] = field(default_factory=list)
 
     @property
     def in_backward(self) -> bool:
@@ -251,6 +257,68 @@ def _assign_implicit_prefetch(ctx: RootContext) -> None:
     for i, state in enumerate(ends):
         # backward runs in the reverse order of the forwards' ends
         state._next_in_backward = ends[i - 1 : i] if i > 0 else []
+
+
+def _refresh_buckets(ctx: RootContext) -> None:
+    """Plan the root's buckets again if a cap, a config or a description changed since they
+    were planned (``set_*``, ``model.to()``); the recorded order is needed first."""
+    if not ctx.order_recorded:
+        return
+    states = ctx.states
+    signature: list[Any] = [s.bucket_cap for s in states]
+    signature += [x for s in states for g in s.groups for x in (g.config, g.description)]
+    old = ctx.bucket_signature
+    if (
+        not ctx.buckets_dirty
+        and len(old) == len(signature)
+        and all(a is b or a == b for a, b in zip(old, signature, strict=True))
+    ):
+        return
+    ctx.bucket_signature, ctx.buckets_dirty = signature, False
+    for state in states:
+        for group in state.groups:
+            group.bucket = None
+    ctx.buckets = _plan_buckets(ctx) if any(s.bucket_cap for s in states) else None
+    if ctx.buckets is not None:
+        for group in ctx.buckets.members():
+            group.bucket = ctx.buckets
+
+
+def _plan_buckets(ctx: RootContext) -> Buckets | None:
+    """Runs of the groups in forward order, in the order backward starts them (those that
+    gather again there) and in the order backward finishes them, for reductions
+    (fully_shard.bucket). A module's backward starts in the reverse order of the forwards'
+    ends and finishes in the reverse order of their starts: the root, whose forward holds
+    every other, starts backward first and finishes it last."""
+    owner = {g: s for s in ctx.states for g in s.groups}
+    forward = [g for s in ctx.forward_order for g in s.groups if g.params]
+    starts = [g for s in reversed(ctx.post_forward_order) for g in s.groups if g.params]
+    again = [g for g in starts if owner[g].reshard_after_forward and g.config.unshard_in_backward]
+    ends = forward[::-1]
+
+    def cap(group: ParamGroup) -> int | None:
+        return owner[group].bucket_cap
+
+    def claim(group: ParamGroup, backward: bool) -> bool:
+        # The rules of _prefetch: only a group that will still run in this pass.
+        state = owner[group]
+        if state.phase is not Phase.IDLE:
+            return False
+        if backward:
+            wanted = state.it.ran_forward and state.config.unshard_in_backward
+        else:
+            wanted = not (ctx.it.forward_running and state._forward_iter == ctx.forward_iter)
+        state.it.prefetched |= wanted  # freed like a prefetch if its forward does not come
+        return wanted
+
+    buckets = Buckets(
+        runs_of(forward, gather_key, lambda g: gather_bytes(g.description), cap),
+        runs_of(again, gather_key, lambda g: gather_bytes(g.description), cap),
+        runs_of(ends, reduce_key, lambda g: reduce_bytes(g.description), cap),
+        in_backward=lambda: ctx.it.in_backward,
+        claim=claim,
+    )
+    return buckets if buckets.members() else None
 
 
 def group_labels(base: str, groups: tuple[ParamGroup, ...]) -> list[str]:
@@ -310,6 +378,8 @@ class FSDPState:
         self._next_in_forward: list[FSDPState] = []
         self._next_in_backward: list[FSDPState] = []
         self._forward_iter = -1  # the root forward in which this group's forward last ran
+        # set_bucket_cap_mb: the largest bucket (bytes) this state's groups may join, or None.
+        self.bucket_cap: int | None = None
 
     def __repr__(self) -> str:
         groups = ", ".join(repr(g) for g in self.groups)
@@ -422,6 +492,8 @@ class FSDPState:
         it = self.it
         if self.is_root and it.forward_depth == 0:
             ctx.it.forward_running = True
+            if ctx.buckets is not None or ctx.buckets_dirty:
+                _refresh_buckets(ctx)
             if ctx.pending_finalization is not None:  # finalize_backward(async_op=True)
                 ctx.pending_finalization()
         if it.forward_depth == 0 and not it.modules_to_run:
@@ -532,6 +604,7 @@ class FSDPState:
             if not ctx.order_recorded:
                 _assign_implicit_prefetch(ctx)
                 ctx.order_recorded = True
+                _refresh_buckets(ctx)
             self._release_unused_prefetches(ctx)
         return self._cast_output(output)
 
@@ -731,6 +804,8 @@ class FSDPState:
 
     def _finish_reductions(self, ctx: RootContext, *, wait: bool) -> None:
         """Wait for the reductions in flight (``wait``), reshard, start the next iteration."""
+        if ctx.buckets is not None:
+            ctx.buckets.flush()  # buckets whose last group's backward did not come
         if wait:
             for state in ctx.states:
                 for group in state.groups:
@@ -830,6 +905,8 @@ class FSDPState:
         for state in states:
             for group in state.groups:
                 group.discard_iteration_state()
+        if ctx is not None and ctx.buckets is not None:
+            ctx.buckets.discard()
         if ctx is not None and not ctx.order_recorded:
             # A first forward that raised half-way recorded part of the order, and the ranks
             # may have raised at different places: record it again, whole, next time.

@@ -1,0 +1,328 @@
+"""Buckets (``set_bucket_cap_mb``): consecutive groups share one all-gather and one reduce-scatter.
+
+What they must do, checked here on a 4-block ``Transformer`` (root + 4 groups):
+
+- train like the unsharded model (``check_parity``, 3 AdamW steps) with buckets on, for
+  reshard after forward on and off, gradient accumulation, frozen and tied parameters,
+  activation checkpointing, HSDP and a module skipped in some steps; and like the same model
+  without buckets bit for bit (mixed precision, a group with other options, after an
+  exception), since a bucket only concatenates its groups' buffers (W = 2: each element of a
+  reduce-scatter is one addition either way);
+- issue one collective per bucket: counted with ``CountingComm`` in a step after the first
+  (which records the order and runs unbucketed), against hand-counted buckets and
+  ``Buckets.sizes()``;
+- close a bucket at a group whose options differ;
+- refuse a bad cap before changing anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from fully_shard import (
+    CountingComm,
+    FSDPModule,
+    FullyShardTypeError,
+    FullyShardValueError,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from fully_shard.group import GroupState
+from harness import device_mesh, mesh_1d, run_distributed
+from models import ModelArgs, Transformer
+from parity import (
+    check_parity,
+    fsdp_gradient_sync,
+    loss_fn,
+    make_token_batch,
+)
+
+ARGS = ModelArgs(n_layers=4)
+# Every compatible group in one bucket.
+ALL = 64.0
+# 2 blocks per bucket, not 3: a block is 2,976 fp32 elements (x W=2 ranks: 23,808 bytes of
+# buffer), the root 1,040 (8,320 bytes); the cap is 26,214 bytes.
+TWO_BLOCKS = 0.025
+
+
+class _SkipsLastBlock(Transformer):
+    """Runs its last block only in every other forward (counted per model)."""
+
+    calls = 0
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        self.calls += 1
+        h = self.tok_embeddings(tokens)
+        freqs = self.rope(tokens.shape[1]) if self.rope is not None else None
+        layers = list(self.layers)
+        for layer in layers if self.calls % 2 else layers[:-1]:
+            h = layer(h, freqs)
+        logits: Tensor = self.output(self.norm(h))
+        return logits
+
+
+def _checkpointed(model: nn.Module) -> None:
+    for block in model.get_submodule("layers").children():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def _shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    cap: float | None,
+    comm: CountingComm | None = None,
+    other_block: dict[str, Any] | None = None,
+    **options: Any,
+) -> None:
+    """Each block, then the root; block 1 gets ``other_block`` options instead (if given)."""
+    for i, block in enumerate(model.get_submodule("layers").children()):
+        mine = other_block if other_block is not None and i == 1 else options
+        fully_shard(block, mesh=mesh, **mine)
+    fully_shard(model, mesh=mesh, **options)
+    assert isinstance(model, FSDPModule)
+    model.set_bucket_cap_mb(cap)
+    if comm is not None:
+        model.set_comm(comm)
+
+
+def _count_one_step(model: nn.Module, comm: CountingComm, batch: Any) -> dict[str, Any]:
+    """Collectives of one forward + backward (the order is recorded: buckets are on)."""
+    comm.reset()
+    tokens, targets = batch
+    out = model(tokens)
+    forward = comm.count_by_op()
+    comm.reset()
+    loss_fn(out, targets).backward()
+    buckets = model._fsdp_state.root.buckets  # type: ignore[union-attr]
+    states = [s.groups for s in model._fsdp_state.root.states]  # type: ignore[union-attr]
+    return {
+        "forward": forward,
+        "backward": comm.count_by_op(),
+        "sizes": None if buckets is None else buckets.sizes(),
+        "sharded": all(g.state is GroupState.SHARDED for gs in states for g in gs),
+    }
+
+
+CASES = {
+    # case: (build options, shard options, check_parity options)
+    "reshard": ({}, {}, {}),
+    "no-reshard": ({}, {"reshard_after_forward": False}, {}),
+    "accum": ({}, {}, {"grad_accum": 2, "set_gradient_sync": fsdp_gradient_sync}),
+    "frozen": ({"frozen": "layers.1."}, {}, {}),
+    "tied": ({"tie_embeddings": True}, {}, {}),
+    "checkpoint": ({"checkpoint": True}, {}, {}),
+    "skip": ({"skips": True}, {}, {}),
+    "hsdp": ({}, {"hsdp": True}, {}),
+    # W = 4, resharded to pairs after forward: no gather is bucketed, the reductions are
+    "reshard-int": ({}, {"reshard_after_forward": 2}, {}),
+}
+
+
+def _parity(case: str, cap: float) -> dict[str, Any]:
+    build_opts, shard_opts, parity_opts = CASES[case]
+    shard_opts = dict(shard_opts)
+    hsdp = shard_opts.pop("hsdp", False)
+    mesh = device_mesh((2, 2), ("rep", "shard")) if hsdp else mesh_1d()
+    args = ModelArgs(n_layers=4, tie_embeddings=bool(build_opts.get("tie_embeddings")))
+
+    def build() -> nn.Module:
+        model = (_SkipsLastBlock if build_opts.get("skips") else Transformer)(args)
+        for name, p in model.named_parameters():
+            if name.startswith(build_opts.get("frozen", "-")):
+                p.requires_grad_(False)
+        if build_opts.get("checkpoint"):
+            _checkpointed(model)
+        return model
+
+    comm = CountingComm()
+    held: list[nn.Module] = []
+
+    def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        _shard(model, mesh, cap=cap, comm=comm, **shard_opts)
+        held.append(model)
+
+    stats = check_parity(build, shard, make_token_batch, mesh, steps=3, **parity_opts)
+    batch = make_token_batch(2, torch.Generator().manual_seed(7))
+    counts = _count_one_step(held[0], comm, batch)
+    return {"stats": dict(stats), **counts}
+
+
+# (all-gathers in forward, in backward, reduce-scatters) with every group in one bucket
+ONE_BUCKET = {
+    "reshard": (1, 1, 1),
+    "no-reshard": (1, 0, 1),
+    "accum": (1, 1, 1),
+    "frozen": (1, 1, 1),
+    "tied": (1, 1, 1),
+    "checkpoint": (1, 1, 1),
+    "skip": (1, 1, 1),
+    "hsdp": (1, 1, 1),
+    "reshard-int": (5, 5, 1),  # the root reshards to pairs too: it gathers again
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(case: str) -> None:
+    world = 4 if case in ("hsdp", "reshard-int") else 2
+    for seen in run_distributed(_parity, world, case, ALL):
+        assert seen["stats"]["max_param_diff"] < 1e-5
+        forward, backward, reduce = ONE_BUCKET[case]
+        assert seen["forward"] == {"all_gather": forward}, seen
+        want = {"all_gather": backward, "reduce_scatter": reduce}
+        if case == "hsdp":
+            want["all_reduce"] = reduce  # one per reduce bucket, over the replicas
+        assert seen["backward"] == {k: v for k, v in want.items() if v}, seen
+        assert seen["sharded"]
+        sizes = seen["sizes"]  # one collective per bucket
+        assert (len(sizes["forward"]), len(sizes["backward"]), len(sizes["reduce"])) == (
+            forward,
+            backward or len(sizes["backward"]),
+            reduce,
+        )
+
+
+def test_the_cap_decides_the_buckets_and_the_collectives() -> None:
+    for seen in run_distributed(_parity, 2, "reshard", TWO_BLOCKS):
+        assert seen["stats"]["max_param_diff"] < 1e-5
+        # forward [root, 0] [1, 2] [3]; backward gathers [3, 2] [1, 0]; reductions, in the
+        # order backward finishes the groups (the root last): [3, 2] [1, 0] [root]
+        assert seen["sizes"] == {"forward": [2, 2, 1], "backward": [2, 2], "reduce": [2, 2, 1]}
+        assert seen["forward"] == {"all_gather": 3}
+        assert seen["backward"] == {"all_gather": 2, "reduce_scatter": 3}
+
+
+# -- bit for bit the same as without buckets ---------------------------------------------------
+
+
+def _twin_steps(case: str) -> dict[str, Any]:
+    """The same model sharded twice, with and without buckets, 3 AdamW steps on the same
+    data (an exception raised and recovered from in step 1 for the "raise-*" cases)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    options: dict[str, Any] = {"mp": {"mp_policy": mp}}.get(case, {})
+    other = {"other-options": {"mp_policy": mp}}.get(case)
+    models, comms = [], []
+    for cap in (None, ALL):
+        torch.manual_seed(0)
+        model = Transformer(ARGS)
+        comm = CountingComm()
+        _shard(model, mesh_1d(), cap=cap, comm=comm, other_block=other, **options)
+        models.append(model)
+        comms.append(comm)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    rank = torch.distributed.get_rank()
+    for step in range(3):
+        tokens, targets = make_token_batch(4, torch.Generator().manual_seed(step))
+        tokens, targets = tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]
+        for model, optim, comm in zip(models, optims, comms, strict=True):
+            comm.reset()
+            if step == 1 and case.startswith("raise-"):
+                _raise_and_recover(model, tokens, targets, case)
+            loss_fn(model(tokens), targets).backward()
+            optim.step()
+            optim.zero_grad()
+    counts = [c.count_by_op() for c in comms]
+    pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
+    return {"same": same, "counts": counts, "sizes": models[1]._fsdp_state.root.buckets.sizes()}
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("boom in backward")
+
+
+def _raise_and_recover(model: nn.Module, tokens: Tensor, targets: Tensor, case: str) -> None:
+    """A forward (or backward) that raises half-way through the blocks, then the reset."""
+    block = model.get_submodule("layers.2")
+    if case == "raise-forward":
+
+        def hook(*_: Any) -> None:
+            raise RuntimeError("boom in forward")
+
+        handle = block.register_forward_pre_hook(hook)
+    else:
+        handle = block.register_forward_hook(lambda m, i, out: _RaiseInBackward.apply(out))
+    with pytest.raises(RuntimeError, match="boom"):
+        loss_fn(model(tokens), targets).backward()
+    handle.remove()
+    assert isinstance(model, FSDPModule)
+    model.reset_iter_state()
+    for p in model.parameters():
+        p.grad = None
+
+
+@pytest.mark.parametrize("case", ["mp", "other-options", "raise-forward", "raise-backward"])
+def test_buckets_change_no_number(case: str) -> None:
+    for seen in run_distributed(_twin_steps, 2, case):
+        assert seen["same"], case
+        if case == "other-options":
+            # block 1 gathers in bf16: it closes the fp32 buckets on both sides; its reduce
+            # dtype is fp32 like the others', so the reduction still spans every group
+            assert seen["sizes"] == {"forward": [2, 1, 2], "backward": [2, 1, 1], "reduce": [5]}
+        if not case.startswith("raise-"):
+            unbucketed, bucketed = seen["counts"]
+            assert unbucketed == {"all_gather": 9, "reduce_scatter": 5}
+            groups = seen["sizes"]
+            want_gathers = len(groups["forward"]) + len(groups["backward"])
+            assert bucketed == {"all_gather": want_gathers, "reduce_scatter": len(groups["reduce"])}
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _bad_caps() -> list[str]:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    _shard(model, mesh_1d(), cap=None)
+    assert isinstance(model, FSDPModule)
+    errors = []
+    for bad in (-1, float("nan"), float("inf"), "25", True, [25]):
+        with pytest.raises((FullyShardValueError, FullyShardTypeError)) as info:
+            model.set_bucket_cap_mb(bad)  # type: ignore[arg-type]
+        errors.append(f"{type(info.value).__name__}: {info.value}")
+    states = [m._fsdp_state for m in model.modules() if isinstance(m, FSDPModule)]
+    assert all(s.bucket_cap is None for s in states)  # nothing changed
+    model.set_bucket_cap_mb(0)
+    assert all(s.bucket_cap is None for s in states)
+    model.set_bucket_cap_mb(1)
+    assert all(s.bucket_cap == 1024 * 1024 for s in states)
+    # every group has its own default TorchComm (no set_comm here): they still share buckets
+    for step in range(2):
+        loss_fn(*_step_inputs(model, step)).backward()
+    assert model._fsdp_state.root.buckets.sizes() == {  # type: ignore[union-attr]
+        "forward": [5],
+        "backward": [4],
+        "reduce": [5],
+    }
+    return errors
+
+
+def _step_inputs(model: nn.Module, step: int) -> tuple[Tensor, Tensor]:
+    tokens, targets = make_token_batch(2, torch.Generator().manual_seed(step))
+    return model(tokens), targets
+
+
+def test_a_bad_cap_is_refused_before_anything_changes() -> None:
+    errors = run_distributed(_bad_caps, 2)[0]
+    assert [e.split(":")[0] for e in errors] == [
+        "FullyShardValueError",
+        "FullyShardValueError",
+        "FullyShardValueError",
+        "FullyShardTypeError",
+        "FullyShardTypeError",
+        "FullyShardTypeError",
+    ]
+    assert "set_bucket_cap_mb" in errors[0] and "-1" in errors[0]
