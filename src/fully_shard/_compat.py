@@ -329,8 +329,21 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     Run on 2.6.0, 2.13.0 and 2.14.1 (CPU; a CUDA-typed mesh needs no GPU to exist) and on
     2.11.0 with CUDA.
     """
-    dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
+    dt: DTensor = _new_dtensor(DTensor, local, spec, requires_grad=local.requires_grad)
     return dt
+
+
+# DTensor's constructor without its ``__init__``: ``DTensor.__new__`` (torch 2.13.0 and 2.14.1:
+# the C function ``torch.Tensor._dtensor__new__``) builds the whole tensor and sets ``_spec``
+# and ``_local_tensor``; ``__init__`` then only calls ``object.__init__`` through a
+# ``torch._disable_dynamo`` wrapper and an export marker that acts under ``torch.export``
+# alone (6 Python frames: ``inner``, ``_fn``, ``_callback_from_stance``, ``wrapper``,
+# ``__init__``, ``is_exporting``), paid for every sharded gradient at every step (2 per group
+# per step in bench_overhead). The engine builds DTensors eagerly only, never under
+# torch.export (its hooks are kept out of traced code). Where ``__new__`` is still a Python
+# function (2.6.0) it does the same work and ``__init__`` does nothing: run on 2.13.0 and
+# 2.14.1.
+_new_dtensor: Callable[..., Any] = DTensor.__new__
 
 
 def torch_fsdp_module_class() -> type | None:
