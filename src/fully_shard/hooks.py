@@ -53,6 +53,7 @@ from torch import nn
 from ._compat import (
     gradient_edge_node,
     inside_backward,
+    keep_out_of_graphs,
     queue_end_of_backward,
     will_run_in_this_backward,
 )
@@ -152,20 +153,6 @@ def _labelled(kind: SpanKind) -> Callable[[_F], _F]:
         return run  # type: ignore[return-value]  # same signature as hook
 
     return wrap
-
-
-def _eager(hook: _F) -> _F:
-    """``hook`` run by Python even inside a ``torch.compile``d region (a graph break).
-
-    The hooks gather into storage they resize and swap the module's parameters; dynamo must
-    not trace that (fake tensors of freed storage, ``resize_`` of graph inputs). Kept out of
-    the graph, every compile order works: ``block.compile()`` and ``torch.compile(block)``
-    before or after sharding (fullgraph too: dynamo runs a disabled module hook outside the
-    frame), ``torch.compile(model)``; the compiled code sees the gathered, plain parameters.
-    torch's FSDP2 keeps its hooks out the same way (tests/test_compile.py compares).
-    """
-    eager: _F = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]  # public, unannotated
-    return eager
 
 
 class _AfterModuleBackward(torch.autograd.Function):
@@ -343,8 +330,19 @@ class FSDPState:
     # -- installation and lazy init ----------------------------------------------------------
 
     def install(self) -> None:
-        """Register the forward hooks on every module of the group."""
-        pre_forward, post_forward = _eager(self.pre_forward), _eager(self.post_forward)
+        """Register the forward hooks on every module of the group, kept out of dynamo's graphs.
+
+        The hooks gather into storage they resize and swap the module's parameters; dynamo
+        must not trace that (fake tensors of freed storage, ``resize_`` of graph inputs).
+        Kept out of the graph (:func:`~fully_shard._compat.keep_out_of_graphs`: a graph
+        break at their call, run by Python even inside a ``torch.compile``d region), every
+        compile order works: ``block.compile()`` and ``torch.compile(block)`` before or after
+        sharding (fullgraph too: dynamo runs a disabled module hook outside the frame),
+        ``torch.compile(model)``; the compiled code sees the gathered, plain parameters.
+        torch's FSDP2 keeps its hooks out the same way (tests/test_compile.py compares).
+        """
+        pre_forward = keep_out_of_graphs(self.pre_forward)
+        post_forward = keep_out_of_graphs(self.post_forward)
         for module in self.modules:
             self._module_hooks.append(
                 module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
