@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ from .packing import (
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN
+from .storage import WholeShard
 
 
 class GroupState(enum.Enum):
@@ -147,7 +149,8 @@ class GroupConfig:
 
 @dataclass
 class _PendingGather:
-    """An all-gather issued by :meth:`ParamGroup.unshard`, until its copy-out."""
+    """An all-gather issued by :meth:`ParamGroup.unshard`, until its copy-out (never changed
+    after it is made)."""
 
     work: Waitable | None
     # (world * total,) in the wire dtype; this rank's input is slice rank. None: nothing to
@@ -156,6 +159,14 @@ class _PendingGather:
     world: int
     inputs: list[list[GatherInput]]  # per parameter
     sizes: tuple[int, ...]  # per input, in wire elements
+
+
+# What unshard leaves when every shard is its unsharded tensor and nothing is sent (one
+# shard rank, WholeShard): wait_for_unshard has nothing to copy.
+_NOTHING_SENT = _PendingGather(None, None, 1, [], ())
+
+# ShardedParam.sharded_param, read as a C call (ParamGroup.sharded_versions).
+_SHARDED_PARAM = operator.attrgetter("sharded_param")
 
 
 @dataclass
@@ -219,6 +230,10 @@ class ParamGroup:
         # was read from: both runtimes execute it.
         self._description: GroupDescription | None = None
         self._described: GroupConfig | None = None
+        # The description under which every shard was found to be its unsharded tensor
+        # (one shard rank, WholeShard sides) and the unsharded parameters were made: its
+        # unshards send, allocate and copy nothing (a new description looks again).
+        self._whole_for: GroupDescription | None = None
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
@@ -237,12 +252,12 @@ class ParamGroup:
         # post-forward piece cut from it) was taken.
         self._gathered_versions: list[tuple[int, int]] = []
         # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
-        self._labels = ProfilerLabels()
-        self.observers: tuple[Observer, ...] = (self._labels,)
+        self.labels = ProfilerLabels()
+        self.observers: tuple[Observer, ...] = (self.labels,)
         # While observers is this very tuple, begin / end have nobody to tell unless a
-        # profiler records (or a label is open): they return at once (13 spans per group
-        # per step).
-        self._only_labels = self.observers
+        # profiler records (or a label is open): the engine's hot paths test that inline and
+        # make no call then (13 spans per group per step).
+        self.unwatched = self.observers
         # The group's name in labels and messages: its modules' qualified names under the root,
         # set at the root's lazy init (until then, their class names).
         self.label = "+".join(type(m).__name__ for m in modules)
@@ -279,15 +294,19 @@ class ParamGroup:
     # -- observers --------------------------------------------------------------------------
 
     def begin(self, kind: SpanKind) -> None:
-        """Tell the observers that a span of ``kind`` starts."""
-        if self.observers is self._only_labels and not (self._labels.open or profiler_enabled()):
+        """Tell the observers that a span of ``kind`` starts.
+
+        Hot callers write this method's first test out before calling it (``observers is
+        not unwatched or labels.open or profiler_enabled()``), and :meth:`end`'s likewise.
+        """
+        if self.observers is self.unwatched and not (self.labels.open or profiler_enabled()):
             return
         for observer in self.observers:
             observer.begin(self, kind)
 
     def end(self, kind: SpanKind) -> None:
         """Tell the observers that the span of ``kind`` ends."""
-        if self.observers is self._only_labels and not self._labels.open:
+        if self.observers is self.unwatched and not self.labels.open:
             return
         for observer in reversed(self.observers):
             observer.end(self, kind)
@@ -353,14 +372,27 @@ class ParamGroup:
     # -- unshard / reshard ------------------------------------------------------------------
 
     def unshard(self, async_op: bool) -> None:
-        """Start gathering the full parameters (no-op unless SHARDED)."""
-        if self.state is not GroupState.SHARDED:
+        """Start gathering the full parameters (no-op unless SHARDED; hot callers test that
+        first)."""
+        state = self.state
+        if state is not GroupState.SHARDED:
             return
-        self._transition(GroupState.UNSHARDING, "unshard()")
-        self.begin("unshard")
+        if GroupState.UNSHARDING not in _TRANSITIONS[state]:  # the table, read inline
+            self._transition(GroupState.UNSHARDING, "unshard()")
+        self.state = GroupState.UNSHARDING
+        if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+            self.begin("unshard")
         if not self.params:
             return
-        desc = self.description
+        desc = self._description
+        if desc is None or self._described is not self.config:
+            desc = self.description
+        if desc is self._whole_for:
+            # Every shard is its unsharded tensor, already made for this description: nothing
+            # is sent, allocated or copied (the general path below would find the same).
+            self._gathered_versions = self.sharded_versions()
+            self._gather = _NOTHING_SENT
+            return
         group, world, rank = desc.shard_group, desc.world, desc.rank
         sub = self.config.post_forward
         pieces = sub is not None and self._pieces_usable()
@@ -427,7 +459,8 @@ class ParamGroup:
             p.drop_post_forward()
 
     def wait_for_unshard(self) -> None:
-        """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
+        """Finish an unshard: wait for the all-gather, copy out, show the full parameters
+        (no-op unless UNSHARDING; hot callers test that first)."""
         if self.state is not GroupState.UNSHARDING:
             return
         pending = self._gather
@@ -435,14 +468,17 @@ class ParamGroup:
         if pending is not None:
             if pending.work is not None:
                 pending.work.wait()
-            self.begin("all_gather_copy_out")
-            grad_was = torch.is_grad_enabled()
-            set_grad_enabled(False)  # data into storage, as the copy-in: never recorded
-            try:
-                self._copy_out(pending)
-            finally:
-                set_grad_enabled(grad_was)
-            self.end("all_gather_copy_out")
+            if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+                self.begin("all_gather_copy_out")
+            if pending is not _NOTHING_SENT:
+                grad_was = torch.is_grad_enabled()
+                set_grad_enabled(False)  # data into storage, as the copy-in: never recorded
+                try:
+                    self._copy_out(pending)
+                finally:
+                    set_grad_enabled(grad_was)
+            if self.observers is not self.unwatched or self.labels.open:
+                self.end("all_gather_copy_out")
         for p in self.params:
             unsharded = p.unsharded_param
             if unsharded is None:
@@ -451,8 +487,11 @@ class ParamGroup:
             # fully_shard is followed, not the value it had when it was wrapped.
             unsharded.requires_grad_(p.sharded_param.requires_grad)
             p.register(unsharded)
-        self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
-        self.end("unshard")
+        if GroupState.UNSHARDED not in _TRANSITIONS[self.state]:
+            self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+        self.state = GroupState.UNSHARDED
+        if self.observers is not self.unwatched or self.labels.open:
+            self.end("unshard")
 
     def _copy_out(self, pending: _PendingGather) -> None:
         # Allocated only now, not at unshard: a prefetched group in flight holds just the
@@ -463,6 +502,11 @@ class ParamGroup:
         if output is None:  # nothing was sent: the storage is the shard itself
             for p in self.params:
                 p.finish_all_gather(None)
+            if self.config.all_gather_comm is None and all(
+                isinstance(p.unsharded_side, WholeShard) for p in self.params
+            ):
+                # The next unshards under this description need none of it (unshard).
+                self._whole_for = self._description
             return
         dests = [p.all_gather_destinations() for p in self.params]
         if all(d is not None for d in dests):
@@ -477,7 +521,9 @@ class ParamGroup:
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
-        return [(id(p.sharded_param), version(p.sharded_param)) for p in self.params]
+        # map over C callables: no comprehension frame (read 2-4 times per group per step)
+        sharded = list(map(_SHARDED_PARAM, self.params))
+        return list(zip(map(id, sharded), map(version, sharded), strict=True))
 
     def gathered_copy_is_stale(self, versions: list[tuple[int, int]]) -> bool:
         """Gathered, but a sharded parameter changed since (``versions``: now's, as read by
@@ -506,19 +552,27 @@ class ParamGroup:
 
         Post-forward pieces are freed too: the next all-gather is over the whole shard world.
         """
-        if self.state is GroupState.SHARDED:
-            self._drop_pieces()
+        state = self.state
+        if state is GroupState.SHARDED:
+            if self._pieces_cut:
+                self._drop_pieces()
             return
-        if self.state is GroupState.UNSHARDING:
+        if state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        self.begin("reshard")
-        keep = self.config.keep_unsharded_storage
+        if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+            self.begin("reshard")
+        # Whole shards (unshard's shortcut) hold no bytes of their own to free.
+        whole = self._whole_for is not None and self._whole_for is self._description
+        free = not (self.config.keep_unsharded_storage or whole)
         for p in self.params:
-            if not keep:
+            if free:
                 p.free_storage()
             p.register(p.sharded_param)
-        self._transition(GroupState.SHARDED, "reshard()")
-        self.end("reshard")
+        if GroupState.SHARDED not in _TRANSITIONS[self.state]:
+            self._transition(GroupState.SHARDED, "reshard()")
+        self.state = GroupState.SHARDED
+        if self.observers is not self.unwatched or self.labels.open:
+            self.end("reshard")
 
     # -- gradients --------------------------------------------------------------------------
 
