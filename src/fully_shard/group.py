@@ -43,7 +43,14 @@ from .description import GroupDescription, describe, offsets
 from .errors import FullyShardStateError
 from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
-from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
+from .observer import (
+    JOB_WIDE,
+    CollectiveCall,
+    Observer,
+    ProfilerLabels,
+    SpanKind,
+    issue_observed,
+)
 from .packing import (
     GatherInput,
     ProcessGroupAllocator,
@@ -52,12 +59,13 @@ from .packing import (
     copy_out,
     pack_grad,
     split_sizes,
+    whole_inputs,
     wire_dtype,
 )
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN
-from .storage import WholeShard
+from .storage import DenseStorage, WholeShard
 
 
 class GroupState(enum.Enum):
@@ -159,6 +167,24 @@ class _PendingGather:
     world: int
     inputs: list[list[GatherInput]]  # per parameter
     sizes: tuple[int, ...]  # per input, in wire elements
+    # Plain dense shards in the description's layout: _copy_out may take (or establish) the
+    # group's _DenseGather.
+    plain: bool = False
+
+
+@dataclass
+class _DenseGather:
+    """What a group's plain gathers repeat under one description (every side a
+    :class:`~fully_shard.storage.DenseStorage`, every parameter one plain input in the
+    description's layout, straight into storage): the wire dtype, the inputs (each
+    ``data`` is the local shard itself), their flat views when each fills its slot (one
+    ``torch.cat``), each storage's bytes object and full size, and the copy-out views."""
+
+    wire: torch.dtype
+    inputs: list[GatherInput]
+    whole: list[torch.Tensor] | None
+    storages: list[tuple[torch.UntypedStorage, int]]
+    destinations: list[torch.Tensor]
 
 
 # What unshard leaves when every shard is its unsharded tensor and nothing is sent (one
@@ -234,6 +260,9 @@ class ParamGroup:
         # (one shard rank, WholeShard sides) and the unsharded parameters were made: its
         # unshards send, allocate and copy nothing (a new description looks again).
         self._whole_for: GroupDescription | None = None
+        # Likewise for plain dense gathers: what they repeat, and the description it is for.
+        self._dense: _DenseGather | None = None
+        self._dense_for: GroupDescription | None = None
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
@@ -393,6 +422,13 @@ class ParamGroup:
             self._gathered_versions = self.sharded_versions()
             self._gather = _NOTHING_SENT
             return
+        if desc is self._dense_for and self._dense is not None:
+            self._unshard_dense(desc, self._dense, async_op)
+            return
+        self._unshard_general(desc, async_op)
+
+    def _unshard_general(self, desc: GroupDescription, async_op: bool) -> None:
+        """Gather what each parameter's unsharded side sends, as its sources say now."""
         group, world, rank = desc.shard_group, desc.world, desc.rank
         sub = self.config.post_forward
         pieces = sub is not None and self._pieces_usable()
@@ -433,17 +469,62 @@ class ParamGroup:
             copy_in(flat_in, flat_inputs)
         finally:
             set_grad_enabled(grad_was)
-        work: Waitable | None = None
-        if world > 1 or self.config.all_gather_comm is not None:
+        work = self._issue_all_gather(output, flat_in, group, world, async_op)
+        # The plain path the next unshards may take (_copy_out decides once it has the
+        # destinations): the description's layout, every side dense, one input each.
+        plain = (
+            wire is desc.wire_dtype
+            and not pieces
+            and sub is None
+            and self.config.all_gather_comm is None
+            and not self.config.allocate_from_process_group
+            and len(flat_inputs) == len(self.params)
+            and all(isinstance(p.unsharded_side, DenseStorage) for p in self.params)
+        )
+        self._gather = _PendingGather(work, output, world, inputs, sizes, plain)
+
+    def _issue_all_gather(
+        self,
+        output: torch.Tensor,
+        flat_in: torch.Tensor,
+        group: dist.ProcessGroup,
+        world: int,
+        async_op: bool,
+    ) -> Waitable | None:
+        if world == 1 and self.config.all_gather_comm is None:
             # One rank: the output is this rank's own input, so nothing is sent (and nothing
             # is counted: W=1 moves no bytes). A user's AllGather is still called.
-            comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
-            work = issue_observed(
-                self,
-                CollectiveCall("all_gather", flat_in, group),
-                lambda: comm.all_gather(output, flat_in, group, async_op),
-            )
-        self._gather = _PendingGather(work, output, world, inputs, sizes)
+            return None
+        comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
+        if self.observers is self.unwatched and not (JOB_WIDE.observers or profiler_enabled()):
+            # Nobody to tell: the profiler labels would issue it as it is.
+            return comm.all_gather(output, flat_in, group, async_op)
+        return issue_observed(
+            self,
+            CollectiveCall("all_gather", flat_in, group),
+            lambda: comm.all_gather(output, flat_in, group, async_op),
+        )
+
+    def _unshard_dense(self, desc: GroupDescription, dense: _DenseGather, async_op: bool) -> None:
+        """The general path's work for plain dense shards, from what it found the first time
+        under this description (:class:`_DenseGather`): the same buffer, bytes and collective."""
+        if self._pieces_cut:
+            self._drop_pieces()
+        self._gathered_versions = self.sharded_versions()
+        world, total = desc.world, desc.gather_total
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # data, never part of a graph (as the general path)
+        try:
+            output = torch.empty(total * world, dtype=dense.wire, device=desc.device)
+            flat_in = output.narrow(0, desc.rank * total, total)
+            if dense.whole is not None:
+                torch.cat(dense.whole, out=flat_in)  # copy_in's own shortcut
+            else:
+                copy_in(flat_in, dense.inputs)
+        finally:
+            set_grad_enabled(grad_was)
+        work = self._issue_all_gather(output, flat_in, desc.shard_group, world, async_op)
+        self._gather = _PendingGather(work, output, world, [], desc.gather_sizes, True)
 
     def _pieces_usable(self) -> bool:
         """Every parameter holds its post-forward piece and none changed since it was cut."""
@@ -494,6 +575,14 @@ class ParamGroup:
             self.end("unshard")
 
     def _copy_out(self, pending: _PendingGather) -> None:
+        dense = self._dense
+        if pending.plain and dense is not None and self._dense_for is self._description:
+            for untyped, nbytes in dense.storages:  # DenseStorage.alloc's resize
+                if untyped.nbytes() != nbytes:
+                    untyped.resize_(nbytes)
+            if pending.output is not None:
+                copy_out(pending.output, pending.world, pending.sizes, dense.destinations)
+            return
         # Allocated only now, not at unshard: a prefetched group in flight holds just the
         # all-gather output.
         for p in self.params:
@@ -510,14 +599,38 @@ class ParamGroup:
             return
         dests = [p.all_gather_destinations() for p in self.params]
         if all(d is not None for d in dests):
-            copy_out(output, world, pending.sizes, [t for d in dests if d is not None for t in d])
+            flat_dests = [t for d in dests if d is not None for t in d]
+            copy_out(output, world, pending.sizes, flat_dests)
             for p in self.params:
                 p.finish_all_gather(None)
+            if pending.plain:
+                self._remember_dense(pending, flat_dests, output.dtype)
             return
         blocks = list(torch.split(output.view(world, -1), list(pending.sizes), dim=1))
         for p, inputs in zip(self.params, pending.inputs, strict=True):
             mine, blocks = blocks[: len(inputs)], blocks[len(inputs) :]
             p.finish_all_gather(mine)
+
+    def _remember_dense(
+        self, pending: _PendingGather, dests: list[torch.Tensor], wire: torch.dtype
+    ) -> None:
+        """After a plain gather copied straight into every storage: what the next unshards
+        under this description repeat (the inputs are the shards themselves, updated in place
+        by the optimizer; the storages and their views live as long as the sides)."""
+        inputs = [gi for per_param in pending.inputs for gi in per_param]
+        storages = []
+        for p in self.params:
+            side = p.unsharded_side
+            if not isinstance(side, DenseStorage) or side.storage is None:
+                return
+            storages.append(
+                (side.storage.untyped_storage(), side.storage.numel() * side.storage.itemsize)
+            )
+        if pending.output is None:
+            return
+        whole = whole_inputs(inputs, pending.output)
+        self._dense = _DenseGather(wire, inputs, whole, storages, dests)
+        self._dense_for = self._description
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
@@ -564,6 +677,11 @@ class ParamGroup:
         # Whole shards (unshard's shortcut) hold no bytes of their own to free.
         whole = self._whole_for is not None and self._whole_for is self._description
         free = not (self.config.keep_unsharded_storage or whole)
+        dense = self._dense
+        if free and dense is not None and self._dense_for is self._description:
+            for untyped, _ in dense.storages:  # DenseStorage.free, each
+                untyped.resize_(0)
+            free = False
         for p in self.params:
             if free:
                 p.free_storage()
@@ -636,16 +754,23 @@ class ParamGroup:
             self._pending_reduce = _PendingReduce(None, flat_in, flat_in, members, starts)
             return
         output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
-        group = desc.reduce_group
+        work = self._issue_reduce_scatter(output, flat_in, desc.reduce_group, rs)
+        self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
+
+    def _issue_reduce_scatter(
+        self, output: torch.Tensor, flat_in: torch.Tensor, group: dist.ProcessGroup, rs: Reduction
+    ) -> Waitable | None:
         comm = self.comm
         if self.config.reduce_scatter_comm is not None:
             comm = UserReduceScatter(self.config.reduce_scatter_comm)  # type: ignore[assignment]  # only reduce_scatter is called
-        work = issue_observed(
+        if self.observers is self.unwatched and not (JOB_WIDE.observers or profiler_enabled()):
+            # Nobody to tell: the profiler labels would issue it as it is.
+            return comm.reduce_scatter(output, flat_in, group, rs, async_op=True)
+        return issue_observed(
             self,
             CollectiveCall("reduce_scatter", flat_in, group),
             lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
         )
-        self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
 
     def _pack(
         self,
