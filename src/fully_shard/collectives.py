@@ -18,7 +18,6 @@ as torch's: ``allocate(size, *, dtype, device)`` for the buffers, ``__call__`` t
 
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -273,7 +272,8 @@ class _AddOnWait:
             # The other rank's value plus ours: the sum gloo's all-reduce makes of two
             # values, bit for bit (one addition, which commutes).
             self._output.add_(self._mine)
-            divide_(self._output, self._divisor)
+            if self._divisor is not None:
+                divide_(self._output, self._divisor)
             self._mine = None
         return True
 
@@ -394,13 +394,13 @@ class TorchComm:
 
     def __init__(self) -> None:
         # Whether each process group it is handed is gloo's: dist.get_backend costs a dozen
-        # Python calls, and a group's backend never changes.
-        self._gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+        # Python calls, and a group's backend never changes. A plain dict, read inline (a C
+        # call): it holds the few groups of one fully_shard group (shard, reduce, replicate),
+        # which its mesh holds as long anyway.
+        self._gloo: dict[dist.ProcessGroup, bool] = {}
 
     def _is_gloo(self, group: dist.ProcessGroup) -> bool:
-        known = self._gloo.get(group)
-        if known is None:
-            known = self._gloo[group] = dist.get_backend(group) == dist.Backend.GLOO
+        known = self._gloo[group] = dist.get_backend(group) == dist.Backend.GLOO
         return known
 
     # Looked up at every call, never bound once: what patches torch.distributed after
@@ -421,13 +421,17 @@ class TorchComm:
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> Waitable | None:
-        if self._is_gloo(group) and output.is_contiguous():
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._is_gloo(group)
+        if gloo and output.is_contiguous():
             n, world = input.numel(), group.size()
             mine = output.narrow(0, group.rank() * n, n)
             if mine.data_ptr() != input.data_ptr():  # the engine passes this very slice: no copy
                 mine.copy_(input)
             if not output.is_complex():
-                return _finish(_broadcast_slices(output, n, group), async_op)
+                gathered = _broadcast_slices(output, n, group)
+                return gathered if async_op else _finish(gathered, async_op)
             works = [
                 dist.broadcast(
                     output.narrow(0, r * n, n),
@@ -448,12 +452,17 @@ class TorchComm:
         reduction: Reduction,
         async_op: bool,
     ) -> Waitable | None:
-        divide_(input, reduction.pre_divide)  # our scratch buffer: divide it in place
-        if self._is_gloo(group):
+        if reduction.pre_divide is not None:
+            divide_(input, reduction.pre_divide)  # our scratch buffer: divide it in place
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._is_gloo(group)
+        if gloo:
             divisor = _after_sum(reduction, group.size())
             plain = input.is_contiguous() and not input.is_complex()
             if plain and group.size() == 2 and output.numel() > 0:
-                return _finish(_exchange_halves(output, input, group, divisor), async_op)
+                exchange = _exchange_halves(output, input, group, divisor)
+                return exchange if async_op else _finish(exchange, async_op)
             if plain:
                 summed = _all_reduce_sum(input, group)
                 return _finish(_ChunkOnWait(summed, output, input, group.rank(), divisor), async_op)
@@ -477,7 +486,10 @@ class TorchComm:
         async_op: bool,
     ) -> Waitable | None:
         divide_(tensor, reduction.pre_divide)
-        if self._is_gloo(group):
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._is_gloo(group)
+        if gloo:
             divisor = _after_sum(reduction, group.size())
             if not tensor.is_complex():
                 return _finish(

@@ -714,7 +714,9 @@ class ParamGroup:
         a partial HSDP sum pending, the parameters in it), in group order, at the offsets
         :func:`~fully_shard.description.offsets` gives.
         """
-        desc = self.description
+        desc = self._description
+        if desc is None or self._described is not self.config:
+            desc = self.description
         params = self.params
         trainable = [i for i, p in enumerate(params) if p.sharded_param.requires_grad]
         if not self.config.requires_gradient_sync:
@@ -738,7 +740,12 @@ class ParamGroup:
             direct = [g for _, g in packed if g is not None]
             self._pending_reduce = _DirectReduce([params[i] for i, _ in packed], direct)
             return
-        allocator = self._allocator(self.config.reduce_scatter_comm)
+        config = self.config
+        allocator = (
+            None
+            if config.reduce_scatter_comm is None and not config.allocate_from_process_group
+            else self._allocator(config.reduce_scatter_comm)
+        )
         flat_in, starts, total = self._pack(packed, desc, allocator)
         members = [params[i] for i, _ in packed]
         # The unsharded gradients are in the buffer now: free them before the reduce-scatter
@@ -838,7 +845,10 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         output = pending.output
-        plan = self.description.reduction
+        desc = self._description
+        if desc is None or self._described is not self.config:
+            desc = self.description
+        plan = desc.reduction
         replicate_group = self.info.replicate_group
         if replicate_group is not None:
             partial = self._partial_reduce
@@ -862,11 +872,15 @@ class ParamGroup:
         hook = self.config.all_reduce_hook
         if hook is not None:
             hook(output)
-        divide_(output, plan.post_divide)
-        self._accumulate(
-            (p, p.local_grad_from(output[off : off + p.padded_numel]))
-            for p, off in zip(pending.params, pending.offsets, strict=True)
-        )
+        if plan.post_divide is not None:
+            divide_(output, plan.post_divide)
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # as _accumulate, without its generator's calls
+        try:
+            for p, off in zip(pending.params, pending.offsets, strict=True):
+                p.accumulate_sharded_grad(p.local_grad_from(output[off : off + p.padded_numel]))
+        finally:
+            set_grad_enabled(grad_was)
 
     def _accumulate(self, grads: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
         """Add each reduced gradient into its sharded ``.grad``, with autograd off (in place on
