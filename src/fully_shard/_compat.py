@@ -341,9 +341,9 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
 # alone (6 Python frames: ``inner``, ``_fn``, ``_callback_from_stance``, ``wrapper``,
 # ``__init__``, ``is_exporting``), paid for every sharded gradient at every step (2 per group
 # per step in bench_overhead). The engine builds DTensors eagerly only, never under
-# torch.export (its hooks are kept out of traced code). Where ``__new__`` is still a Python
-# function (2.6.0) it does the same work and ``__init__`` does nothing: run on 2.13.0 and
-# 2.14.1.
+# torch.export (its hooks are kept out of traced code). Run on 2.13.0 and 2.14.1; not run
+# on 2.6.0 (no environment for it here): check there that ``DTensor.__new__`` alone sets
+# ``_spec`` and ``_local_tensor``.
 _new_dtensor: Callable[..., Any] = DTensor.__new__
 
 
