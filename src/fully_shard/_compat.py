@@ -27,6 +27,7 @@ are present, under the same name, in every release listed above.
 
 from __future__ import annotations
 
+import importlib
 import operator
 import sys
 from collections.abc import Callable
@@ -329,8 +330,21 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     Run on 2.6.0, 2.13.0 and 2.14.1 (CPU; a CUDA-typed mesh needs no GPU to exist) and on
     2.11.0 with CUDA.
     """
-    dt: DTensor = DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
+    dt: DTensor = _new_dtensor(DTensor, local, spec, requires_grad=local.requires_grad)
     return dt
+
+
+# DTensor's constructor without its ``__init__``: ``DTensor.__new__`` (torch 2.13.0 and 2.14.1:
+# the C function ``torch.Tensor._dtensor__new__``) builds the whole tensor and sets ``_spec``
+# and ``_local_tensor``; ``__init__`` then only calls ``object.__init__`` through a
+# ``torch._disable_dynamo`` wrapper and an export marker that acts under ``torch.export``
+# alone (6 Python frames: ``inner``, ``_fn``, ``_callback_from_stance``, ``wrapper``,
+# ``__init__``, ``is_exporting``), paid for every sharded gradient at every step (2 per group
+# per step in bench_overhead). The engine builds DTensors eagerly only, never under
+# torch.export (its hooks are kept out of traced code). Run on 2.13.0 and 2.14.1; not run
+# on 2.6.0 (no environment for it here): check there that ``DTensor.__new__`` alone sets
+# ``_spec`` and ``_local_tensor``.
+_new_dtensor: Callable[..., Any] = DTensor.__new__
 
 
 def torch_fsdp_module_class() -> type | None:
@@ -343,7 +357,7 @@ def torch_fsdp_module_class() -> type | None:
     never imports the package (rule 1): code that asks ``isinstance`` against torch's class has
     imported it, and so have ``torch.distributed.pipelining``, ``torch.distributed.checkpoint``
     and ``torch.distributed._tools``; on 2.13 so has ``torch._dynamo``, which our hooks'
-    ``torch.compiler.disable`` loads before the class swap, so in practice every module is
+    ``keep_out_of_graphs`` loads before the class swap, so in practice every module is
     recognised whatever the user imported first. Public name, private lookup; run on 2.6.0,
     2.13.0 and 2.14.1.
 
@@ -467,6 +481,48 @@ def funcol_all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor
     """All-reduce ``t`` over the named group with ``op`` ("sum" / "avg")."""
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(ops.all_reduce(t, op, group_name))  # type: ignore[no-any-return]
+
+
+def keep_out_of_graphs(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (a function or a bound method) marked so that dynamo never traces it nor
+    anything it calls, with no wrapper frame around it; returns ``hook`` itself.
+
+    What ``torch.compiler.disable(fn, recursive=True)`` gives, without its wrapper, whose
+    ``_fn`` costs 3 Python frames and 4 eval-frame switches per call (2 calls per group per
+    step: the forward hooks) and dwarfed a small block's own hook. Two marks make the same:
+
+    - ``fn._torchdynamo_disable``: what dynamo reads (``inspect.getattr_static``) when a
+      traced frame reaches a call of ``fn`` (``block.compile()`` tracing ``_call_impl`` and
+      its hooks): it does not inline it and breaks the graph there, as for a disabled
+      function (the same frames and graph breaks, tests/test_compile.py);
+    - the frame strategy of ``fn.__code__``, ``(SKIP, SKIP)`` (``set_code_exec_strategy``
+      of ``torch._C._dynamo.eval_frame``, as ``torch._dynamo.eval_frame`` has it): when
+      ``fn`` then runs under an active compile callback, dynamo's frame evaluator runs its
+      frame and every frame it calls without converting them, which is what the wrapper's
+      ``set_eval_frame(None)`` did. It is kept in the code object's extra state, which
+      ``torch._dynamo.reset()`` clears only for codes dynamo compiled (torch marks its own
+      non-recursive disable wrapper the same way, once at import).
+
+    Private (``torch._dynamo``); run on 2.13.0 and 2.14.1. Where the strategy API is missing
+    (releases before it) the public wrapper is returned instead, so the hooks stay out of
+    graphs at the old cost. Importing ``torch._dynamo`` takes a second: called when hooks
+    are installed, never at import.
+    """
+    # Loaded as torch.compiler.disable loaded it (on 2.13 it loads torch's FSDP package,
+    # which torch_fsdp_module_class reads).
+    importlib.import_module("torch._dynamo")
+    try:  # the C module that torch._dynamo.eval_frame and torch._dynamo.types re-export
+        from torch._C._dynamo.eval_frame import _FrameAction as FrameAction
+        from torch._C._dynamo.eval_frame import _FrameExecStrategy as FrameExecStrategy
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    except ImportError:
+        disabled: Callable[..., Any] = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]  # public, unannotated
+        return disabled
+    fn: Any = getattr(hook, "__func__", hook)  # a method's marks go on its function
+    if not getattr(fn, "_torchdynamo_disable", False):
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        fn._torchdynamo_disable = True
+    return hook
 
 
 def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -272,7 +272,8 @@ class _AddOnWait:
             # The other rank's value plus ours: the sum gloo's all-reduce makes of two
             # values, bit for bit (one addition, which commutes).
             self._output.add_(self._mine)
-            divide_(self._output, self._divisor)
+            if self._divisor is not None:
+                divide_(self._output, self._divisor)
             self._mine = None
         return True
 
@@ -317,16 +318,44 @@ EXCHANGE_TAG = 0x46534852
 def _exchange_halves(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, divisor: float | None
 ) -> _AddOnWait:
-    """Start a reduce-scatter over two ranks: send the other rank its half, receive ours."""
+    """Start a reduce-scatter over two ranks: send the other rank its half, receive ours.
+
+    The process group's own ``send`` / ``recv`` with the peer's rank in ``group``: what
+    ``dist.isend`` / ``dist.irecv`` end in, without their 20 Python calls of argument
+    handling (the caller passes plain, non-complex tensors of a group this rank is in).
+    """
     n, rank = output.numel(), group.rank()
-    peer = dist.get_global_rank(group, 1 - rank)
     works = [
-        dist.isend(input.narrow(0, (1 - rank) * n, n), peer, group=group, tag=EXCHANGE_TAG),
-        dist.irecv(output, peer, group=group, tag=EXCHANGE_TAG),
+        group.send([input.narrow(0, (1 - rank) * n, n)], 1 - rank, EXCHANGE_TAG),
+        group.recv([output], 1 - rank, EXCHANGE_TAG),
     ]
-    return _AddOnWait(
-        [w for w in works if w is not None], output, input.narrow(0, rank * n, n), divisor
-    )
+    return _AddOnWait(works, output, input.narrow(0, rank * n, n), divisor)
+
+
+def _broadcast_slices(output: torch.Tensor, n: int, group: dist.ProcessGroup) -> _AllWorks:
+    """Each rank r of ``group`` broadcasts slice r (``n`` elements) of ``output``, async.
+
+    The process group's own ``broadcast`` with the root's rank in ``group``: what
+    ``dist.broadcast`` ends in, without its 15 Python calls of argument handling and logging
+    (the caller passes a plain, non-complex tensor of a group this rank is in).
+    """
+    works: list[dist.Work | None] = []
+    for r in range(group.size()):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = r
+        opts.rootTensor = 0
+        opts.asyncOp = True
+        works.append(group.broadcast([output.narrow(0, r * n, n)], opts))
+    return _AllWorks(works)
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """An async in-place sum over ``group`` through the process group's own ``allreduce``
+    (what ``dist.all_reduce`` ends in; the caller passes a plain, non-complex tensor)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+    opts.asyncOp = True
+    return group.allreduce([tensor], opts)
 
 
 def _finish(done: Waitable, async_op: bool) -> Waitable | None:
@@ -363,10 +392,22 @@ class TorchComm:
         >>> comm = TorchComm()
     """
 
+    def __init__(self) -> None:
+        # Whether each process group it is handed is gloo's: dist.get_backend costs a dozen
+        # Python calls, and a group's backend never changes. A plain dict, read inline (a C
+        # call): it holds the few groups of one fully_shard group (shard, reduce, replicate),
+        # which its mesh holds as long anyway.
+        self._gloo: dict[dist.ProcessGroup, bool] = {}
+
+    def _is_gloo(self, group: dist.ProcessGroup) -> bool:
+        known = self._gloo[group] = dist.get_backend(group) == dist.Backend.GLOO
+        return known
+
     # Looked up at every call, never bound once: what patches torch.distributed after
     # fully_shard (torch's own FSDP2 tests delay and inspect collectives that way) sees ours
     # too. torch 2.13 renamed the flat-tensor collectives and deprecated the old names; older
-    # releases (2.6 ...) only have the old ones.
+    # releases (2.6 ...) only have the old ones. (The gloo paths call the process group's
+    # own methods instead: those tests patch the flat-tensor collectives of NCCL runs.)
     @staticmethod
     def _all_gather(*args: Any, **kwargs: Any) -> dist.Work | None:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -380,11 +421,17 @@ class TorchComm:
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> Waitable | None:
-        if dist.get_backend(group) == dist.Backend.GLOO and output.is_contiguous():
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._is_gloo(group)
+        if gloo and output.is_contiguous():
             n, world = input.numel(), group.size()
             mine = output.narrow(0, group.rank() * n, n)
             if mine.data_ptr() != input.data_ptr():  # the engine passes this very slice: no copy
                 mine.copy_(input)
+            if not output.is_complex():
+                gathered = _broadcast_slices(output, n, group)
+                return gathered if async_op else _finish(gathered, async_op)
             works = [
                 dist.broadcast(
                     output.narrow(0, r * n, n),
@@ -405,11 +452,20 @@ class TorchComm:
         reduction: Reduction,
         async_op: bool,
     ) -> Waitable | None:
-        divide_(input, reduction.pre_divide)  # our scratch buffer: divide it in place
-        if dist.get_backend(group) == dist.Backend.GLOO:
+        if reduction.pre_divide is not None:
+            divide_(input, reduction.pre_divide)  # our scratch buffer: divide it in place
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._is_gloo(group)
+        if gloo:
             divisor = _after_sum(reduction, group.size())
-            if input.is_contiguous() and group.size() == 2 and output.numel() > 0:
-                return _finish(_exchange_halves(output, input, group, divisor), async_op)
+            plain = input.is_contiguous() and not input.is_complex()
+            if plain and group.size() == 2 and output.numel() > 0:
+                exchange = _exchange_halves(output, input, group, divisor)
+                return exchange if async_op else _finish(exchange, async_op)
+            if plain:
+                summed = _all_reduce_sum(input, group)
+                return _finish(_ChunkOnWait(summed, output, input, group.rank(), divisor), async_op)
             if input.is_contiguous():
                 work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
                 return _finish(_ChunkOnWait(work, output, input, group.rank(), divisor), async_op)
@@ -430,8 +486,16 @@ class TorchComm:
         async_op: bool,
     ) -> Waitable | None:
         divide_(tensor, reduction.pre_divide)
-        if dist.get_backend(group) == dist.Backend.GLOO:
-            divisor, op = _after_sum(reduction, group.size()), dist.ReduceOp(dist.ReduceOp.SUM)
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._is_gloo(group)
+        if gloo:
+            divisor = _after_sum(reduction, group.size())
+            if not tensor.is_complex():
+                return _finish(
+                    _DivideOnWait(_all_reduce_sum(tensor, group), tensor, divisor), async_op
+                )
+            op = dist.ReduceOp(dist.ReduceOp.SUM)
         else:
             divisor, op = reduction.post_divide, reduction.torch_op()
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,7 +43,14 @@ from .description import GroupDescription, describe, offsets
 from .errors import FullyShardStateError
 from .extensions import check_extension_plan
 from .mesh import MeshInfo, SubgroupInfo
-from .observer import CollectiveCall, Observer, ProfilerLabels, SpanKind, issue_observed
+from .observer import (
+    JOB_WIDE,
+    CollectiveCall,
+    Observer,
+    ProfilerLabels,
+    SpanKind,
+    issue_observed,
+)
 from .packing import (
     GatherInput,
     ProcessGroupAllocator,
@@ -51,11 +59,13 @@ from .packing import (
     copy_out,
     pack_grad,
     split_sizes,
+    whole_inputs,
     wire_dtype,
 )
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN
+from .storage import DenseStorage, WholeShard
 
 
 class GroupState(enum.Enum):
@@ -147,7 +157,8 @@ class GroupConfig:
 
 @dataclass
 class _PendingGather:
-    """An all-gather issued by :meth:`ParamGroup.unshard`, until its copy-out."""
+    """An all-gather issued by :meth:`ParamGroup.unshard`, until its copy-out (never changed
+    after it is made)."""
 
     work: Waitable | None
     # (world * total,) in the wire dtype; this rank's input is slice rank. None: nothing to
@@ -156,6 +167,32 @@ class _PendingGather:
     world: int
     inputs: list[list[GatherInput]]  # per parameter
     sizes: tuple[int, ...]  # per input, in wire elements
+    # Plain dense shards in the description's layout: _copy_out may take (or establish) the
+    # group's _DenseGather.
+    plain: bool = False
+
+
+@dataclass
+class _DenseGather:
+    """What a group's plain gathers repeat under one description (every side a
+    :class:`~fully_shard.storage.DenseStorage`, every parameter one plain input in the
+    description's layout, straight into storage): the wire dtype, the inputs (each
+    ``data`` is the local shard itself), their flat views when each fills its slot (one
+    ``torch.cat``), each storage's bytes object and full size, and the copy-out views."""
+
+    wire: torch.dtype
+    inputs: list[GatherInput]
+    whole: list[torch.Tensor] | None
+    storages: list[tuple[torch.UntypedStorage, int]]
+    destinations: list[torch.Tensor]
+
+
+# What unshard leaves when every shard is its unsharded tensor and nothing is sent (one
+# shard rank, WholeShard): wait_for_unshard has nothing to copy.
+_NOTHING_SENT = _PendingGather(None, None, 1, [], ())
+
+# ShardedParam.sharded_param, read as a C call (ParamGroup.sharded_versions).
+_SHARDED_PARAM = operator.attrgetter("sharded_param")
 
 
 @dataclass
@@ -247,6 +284,13 @@ class ParamGroup:
         # was read from: both runtimes execute it.
         self._description: GroupDescription | None = None
         self._described: GroupConfig | None = None
+        # The description under which every shard was found to be its unsharded tensor
+        # (one shard rank, WholeShard sides) and the unsharded parameters were made: its
+        # unshards send, allocate and copy nothing (a new description looks again).
+        self._whole_for: GroupDescription | None = None
+        # Likewise for plain dense gathers: what they repeat, and the description it is for.
+        self._dense: _DenseGather | None = None
+        self._dense_for: GroupDescription | None = None
         self.comm = comm
         self.state = GroupState.SHARDED
         self._gather: _PendingGather | None = None  # only while UNSHARDING
@@ -267,12 +311,12 @@ class ParamGroup:
         # post-forward piece cut from it) was taken.
         self._gathered_versions: list[tuple[int, int]] = []
         # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
-        self._labels = ProfilerLabels()
-        self.observers: tuple[Observer, ...] = (self._labels,)
+        self.labels = ProfilerLabels()
+        self.observers: tuple[Observer, ...] = (self.labels,)
         # While observers is this very tuple, begin / end have nobody to tell unless a
-        # profiler records (or a label is open): they return at once (13 spans per group
-        # per step).
-        self._only_labels = self.observers
+        # profiler records (or a label is open): the engine's hot paths test that inline and
+        # make no call then (13 spans per group per step).
+        self.unwatched = self.observers
         # The group's name in labels and messages: its modules' qualified names under the root,
         # set at the root's lazy init (until then, their class names).
         self.label = "+".join(type(m).__name__ for m in modules)
@@ -309,15 +353,19 @@ class ParamGroup:
     # -- observers --------------------------------------------------------------------------
 
     def begin(self, kind: SpanKind) -> None:
-        """Tell the observers that a span of ``kind`` starts."""
-        if self.observers is self._only_labels and not (self._labels.open or profiler_enabled()):
+        """Tell the observers that a span of ``kind`` starts.
+
+        Hot callers write this method's first test out before calling it (``observers is
+        not unwatched or labels.open or profiler_enabled()``), and :meth:`end`'s likewise.
+        """
+        if self.observers is self.unwatched and not (self.labels.open or profiler_enabled()):
             return
         for observer in self.observers:
             observer.begin(self, kind)
 
     def end(self, kind: SpanKind) -> None:
         """Tell the observers that the span of ``kind`` ends."""
-        if self.observers is self._only_labels and not self._labels.open:
+        if self.observers is self.unwatched and not self.labels.open:
             return
         for observer in reversed(self.observers):
             observer.end(self, kind)
@@ -383,16 +431,36 @@ class ParamGroup:
     # -- unshard / reshard ------------------------------------------------------------------
 
     def unshard(self, async_op: bool) -> None:
-        """Start gathering the full parameters (no-op unless SHARDED)."""
-        if self.state is not GroupState.SHARDED:
+        """Start gathering the full parameters (no-op unless SHARDED; hot callers test that
+        first)."""
+        state = self.state
+        if state is not GroupState.SHARDED:
             return
         if self.bucket is not None and self.bucket.unshard(self, async_op):
             return
-        self._transition(GroupState.UNSHARDING, "unshard()")
-        self.begin("unshard")
+        if GroupState.UNSHARDING not in _TRANSITIONS[state]:  # the table, read inline
+            self._transition(GroupState.UNSHARDING, "unshard()")
+        self.state = GroupState.UNSHARDING
+        if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+            self.begin("unshard")
         if not self.params:
             return
-        desc = self.description
+        desc = self._description
+        if desc is None or self._described is not self.config:
+            desc = self.description
+        if desc is self._whole_for:
+            # Every shard is its unsharded tensor, already made for this description: nothing
+            # is sent, allocated or copied (the general path below would find the same).
+            self._gathered_versions = self.sharded_versions()
+            self._gather = _NOTHING_SENT
+            return
+        if desc is self._dense_for and self._dense is not None:
+            self._unshard_dense(desc, self._dense, async_op)
+            return
+        self._unshard_general(desc, async_op)
+
+    def _unshard_general(self, desc: GroupDescription, async_op: bool) -> None:
+        """Gather what each parameter's unsharded side sends, as its sources say now."""
         group, world, rank = desc.shard_group, desc.world, desc.rank
         sub = self.config.post_forward
         pieces = sub is not None and self._pieces_usable()
@@ -433,17 +501,62 @@ class ParamGroup:
             copy_in(flat_in, flat_inputs)
         finally:
             set_grad_enabled(grad_was)
-        work: Waitable | None = None
-        if world > 1 or self.config.all_gather_comm is not None:
+        work = self._issue_all_gather(output, flat_in, group, world, async_op)
+        # The plain path the next unshards may take (_copy_out decides once it has the
+        # destinations): the description's layout, every side dense, one input each.
+        plain = (
+            wire is desc.wire_dtype
+            and not pieces
+            and sub is None
+            and self.config.all_gather_comm is None
+            and not self.config.allocate_from_process_group
+            and len(flat_inputs) == len(self.params)
+            and all(isinstance(p.unsharded_side, DenseStorage) for p in self.params)
+        )
+        self._gather = _PendingGather(work, output, world, inputs, sizes, plain)
+
+    def _issue_all_gather(
+        self,
+        output: torch.Tensor,
+        flat_in: torch.Tensor,
+        group: dist.ProcessGroup,
+        world: int,
+        async_op: bool,
+    ) -> Waitable | None:
+        if world == 1 and self.config.all_gather_comm is None:
             # One rank: the output is this rank's own input, so nothing is sent (and nothing
             # is counted: W=1 moves no bytes). A user's AllGather is still called.
-            comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
-            work = issue_observed(
-                self,
-                CollectiveCall("all_gather", flat_in, group),
-                lambda: comm.all_gather(output, flat_in, group, async_op),
-            )
-        self._gather = _PendingGather(work, output, world, inputs, sizes)
+            return None
+        comm = self.comm if self.config.all_gather_comm is None else self._user_all_gather
+        if self.observers is self.unwatched and not (JOB_WIDE.observers or profiler_enabled()):
+            # Nobody to tell: the profiler labels would issue it as it is.
+            return comm.all_gather(output, flat_in, group, async_op)
+        return issue_observed(
+            self,
+            CollectiveCall("all_gather", flat_in, group),
+            lambda: comm.all_gather(output, flat_in, group, async_op),
+        )
+
+    def _unshard_dense(self, desc: GroupDescription, dense: _DenseGather, async_op: bool) -> None:
+        """The general path's work for plain dense shards, from what it found the first time
+        under this description (:class:`_DenseGather`): the same buffer, bytes and collective."""
+        if self._pieces_cut:
+            self._drop_pieces()
+        self._gathered_versions = self.sharded_versions()
+        world, total = desc.world, desc.gather_total
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # data, never part of a graph (as the general path)
+        try:
+            output = torch.empty(total * world, dtype=dense.wire, device=desc.device)
+            flat_in = output.narrow(0, desc.rank * total, total)
+            if dense.whole is not None:
+                torch.cat(dense.whole, out=flat_in)  # copy_in's own shortcut
+            else:
+                copy_in(flat_in, dense.inputs)
+        finally:
+            set_grad_enabled(grad_was)
+        work = self._issue_all_gather(output, flat_in, desc.shard_group, world, async_op)
+        self._gather = _PendingGather(work, output, world, [], desc.gather_sizes, True)
 
     def _pieces_usable(self) -> bool:
         """Every parameter holds its post-forward piece and none changed since it was cut."""
@@ -459,7 +572,8 @@ class ParamGroup:
             p.drop_post_forward()
 
     def wait_for_unshard(self) -> None:
-        """Finish an unshard: wait for the all-gather, copy out, show the full parameters."""
+        """Finish an unshard: wait for the all-gather, copy out, show the full parameters
+        (no-op unless UNSHARDING; hot callers test that first)."""
         if self.state is not GroupState.UNSHARDING:
             return
         pending = self._gather
@@ -467,14 +581,17 @@ class ParamGroup:
         if pending is not None:
             if pending.work is not None:
                 pending.work.wait()
-            self.begin("all_gather_copy_out")
-            grad_was = torch.is_grad_enabled()
-            set_grad_enabled(False)  # data into storage, as the copy-in: never recorded
-            try:
-                self._copy_out(pending)
-            finally:
-                set_grad_enabled(grad_was)
-            self.end("all_gather_copy_out")
+            if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+                self.begin("all_gather_copy_out")
+            if pending is not _NOTHING_SENT:
+                grad_was = torch.is_grad_enabled()
+                set_grad_enabled(False)  # data into storage, as the copy-in: never recorded
+                try:
+                    self._copy_out(pending)
+                finally:
+                    set_grad_enabled(grad_was)
+            if self.observers is not self.unwatched or self.labels.open:
+                self.end("all_gather_copy_out")
         for p in self.params:
             unsharded = p.unsharded_param
             if unsharded is None:
@@ -483,10 +600,21 @@ class ParamGroup:
             # fully_shard is followed, not the value it had when it was wrapped.
             unsharded.requires_grad_(p.sharded_param.requires_grad)
             p.register(unsharded)
-        self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
-        self.end("unshard")
+        if GroupState.UNSHARDED not in _TRANSITIONS[self.state]:
+            self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
+        self.state = GroupState.UNSHARDED
+        if self.observers is not self.unwatched or self.labels.open:
+            self.end("unshard")
 
     def _copy_out(self, pending: _PendingGather) -> None:
+        dense = self._dense
+        if pending.plain and dense is not None and self._dense_for is self._description:
+            for untyped, nbytes in dense.storages:  # DenseStorage.alloc's resize
+                if untyped.nbytes() != nbytes:
+                    untyped.resize_(nbytes)
+            if pending.output is not None:
+                copy_out(pending.output, pending.world, pending.sizes, dense.destinations)
+            return
         # Allocated only now, not at unshard: a prefetched group in flight holds just the
         # all-gather output.
         for p in self.params:
@@ -495,21 +623,52 @@ class ParamGroup:
         if output is None:  # nothing was sent: the storage is the shard itself
             for p in self.params:
                 p.finish_all_gather(None)
+            if self.config.all_gather_comm is None and all(
+                isinstance(p.unsharded_side, WholeShard) for p in self.params
+            ):
+                # The next unshards under this description need none of it (unshard).
+                self._whole_for = self._description
             return
         dests = [p.all_gather_destinations() for p in self.params]
         if all(d is not None for d in dests):
-            copy_out(output, world, pending.sizes, [t for d in dests if d is not None for t in d])
+            flat_dests = [t for d in dests if d is not None for t in d]
+            copy_out(output, world, pending.sizes, flat_dests)
             for p in self.params:
                 p.finish_all_gather(None)
+            if pending.plain:
+                self._remember_dense(pending, flat_dests, output.dtype)
             return
         blocks = list(torch.split(output.view(world, -1), list(pending.sizes), dim=1))
         for p, inputs in zip(self.params, pending.inputs, strict=True):
             mine, blocks = blocks[: len(inputs)], blocks[len(inputs) :]
             p.finish_all_gather(mine)
 
+    def _remember_dense(
+        self, pending: _PendingGather, dests: list[torch.Tensor], wire: torch.dtype
+    ) -> None:
+        """After a plain gather copied straight into every storage: what the next unshards
+        under this description repeat (the inputs are the shards themselves, updated in place
+        by the optimizer; the storages and their views live as long as the sides)."""
+        inputs = [gi for per_param in pending.inputs for gi in per_param]
+        storages = []
+        for p in self.params:
+            side = p.unsharded_side
+            if not isinstance(side, DenseStorage) or side.storage is None:
+                return
+            storages.append(
+                (side.storage.untyped_storage(), side.storage.numel() * side.storage.itemsize)
+            )
+        if pending.output is None:
+            return
+        whole = whole_inputs(inputs, pending.output)
+        self._dense = _DenseGather(wire, inputs, whole, storages, dests)
+        self._dense_for = self._description
+
     def sharded_versions(self) -> list[tuple[int, int]]:
         """(id, version counter) of each sharded parameter: changes with every in-place write."""
-        return [(id(p.sharded_param), version(p.sharded_param)) for p in self.params]
+        # map over C callables: no comprehension frame (read 2-4 times per group per step)
+        sharded = list(map(_SHARDED_PARAM, self.params))
+        return list(zip(map(id, sharded), map(version, sharded), strict=True))
 
     def gathered_copy_is_stale(self, versions: list[tuple[int, int]]) -> bool:
         """Gathered, but a sharded parameter changed since (``versions``: now's, as read by
@@ -538,19 +697,32 @@ class ParamGroup:
 
         Post-forward pieces are freed too: the next all-gather is over the whole shard world.
         """
-        if self.state is GroupState.SHARDED:
-            self._drop_pieces()
+        state = self.state
+        if state is GroupState.SHARDED:
+            if self._pieces_cut:
+                self._drop_pieces()
             return
-        if self.state is GroupState.UNSHARDING:
+        if state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        self.begin("reshard")
-        keep = self.config.keep_unsharded_storage
+        if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+            self.begin("reshard")
+        # Whole shards (unshard's shortcut) hold no bytes of their own to free.
+        whole = self._whole_for is not None and self._whole_for is self._description
+        free = not (self.config.keep_unsharded_storage or whole)
+        dense = self._dense
+        if free and dense is not None and self._dense_for is self._description:
+            for untyped, _ in dense.storages:  # DenseStorage.free, each
+                untyped.resize_(0)
+            free = False
         for p in self.params:
-            if not keep:
+            if free:
                 p.free_storage()
             p.register(p.sharded_param)
-        self._transition(GroupState.SHARDED, "reshard()")
-        self.end("reshard")
+        if GroupState.SHARDED not in _TRANSITIONS[self.state]:
+            self._transition(GroupState.SHARDED, "reshard()")
+        self.state = GroupState.SHARDED
+        if self.observers is not self.unwatched or self.labels.open:
+            self.end("reshard")
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -574,7 +746,9 @@ class ParamGroup:
         a partial HSDP sum pending, the parameters in it), in group order, at the offsets
         :func:`~fully_shard.description.offsets` gives.
         """
-        desc = self.description
+        desc = self._description
+        if desc is None or self._described is not self.config:
+            desc = self.description
         params = self.params
         trainable = [i for i, p in enumerate(params) if p.sharded_param.requires_grad]
         if not self.config.requires_gradient_sync:
@@ -600,7 +774,12 @@ class ParamGroup:
             direct = [g for _, g in packed if g is not None]
             self._pending_reduce = _DirectReduce([params[i] for i, _ in packed], direct)
             return
-        allocator = self._allocator(self.config.reduce_scatter_comm)
+        config = self.config
+        allocator = (
+            None
+            if config.reduce_scatter_comm is None and not config.allocate_from_process_group
+            else self._allocator(config.reduce_scatter_comm)
+        )
         flat_in, starts, total = self._pack(packed, desc, allocator)
         members = [params[i] for i, _ in packed]
         # The unsharded gradients are in the buffer now: free them before the reduce-scatter
@@ -616,16 +795,23 @@ class ParamGroup:
             self._pending_reduce = _PendingReduce(None, flat_in, flat_in, members, starts)
             return
         output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
-        group = desc.reduce_group
+        work = self._issue_reduce_scatter(output, flat_in, desc.reduce_group, rs)
+        self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
+
+    def _issue_reduce_scatter(
+        self, output: torch.Tensor, flat_in: torch.Tensor, group: dist.ProcessGroup, rs: Reduction
+    ) -> Waitable | None:
         comm = self.comm
         if self.config.reduce_scatter_comm is not None:
             comm = UserReduceScatter(self.config.reduce_scatter_comm)  # type: ignore[assignment]  # only reduce_scatter is called
-        work = issue_observed(
+        if self.observers is self.unwatched and not (JOB_WIDE.observers or profiler_enabled()):
+            # Nobody to tell: the profiler labels would issue it as it is.
+            return comm.reduce_scatter(output, flat_in, group, rs, async_op=True)
+        return issue_observed(
             self,
             CollectiveCall("reduce_scatter", flat_in, group),
             lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
         )
-        self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
 
     def _pack(
         self,
@@ -696,7 +882,10 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         output = pending.output
-        plan = self.description.reduction
+        desc = self._description
+        if desc is None or self._described is not self.config:
+            desc = self.description
+        plan = desc.reduction
         replicate_group = self.info.replicate_group
         if replicate_group is not None:
             partial = self._partial_reduce
@@ -720,11 +909,15 @@ class ParamGroup:
         hook = self.config.all_reduce_hook
         if hook is not None:
             hook(output)
-        divide_(output, plan.post_divide)
-        self._accumulate(
-            (p, p.local_grad_from(output[off : off + p.padded_numel]))
-            for p, off in zip(pending.params, pending.offsets, strict=True)
-        )
+        if plan.post_divide is not None:
+            divide_(output, plan.post_divide)
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)  # as _accumulate, without its generator's calls
+        try:
+            for p, off in zip(pending.params, pending.offsets, strict=True):
+                p.accumulate_sharded_grad(p.local_grad_from(output[off : off + p.padded_numel]))
+        finally:
+            set_grad_enabled(grad_was)
 
     def _accumulate(self, grads: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
         """Add each reduced gradient into its sharded ``.grad``, with autograd off (in place on

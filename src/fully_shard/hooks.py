@@ -45,7 +45,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +53,8 @@ from torch import nn
 from ._compat import (
     gradient_edge_node,
     inside_backward,
+    keep_out_of_graphs,
+    profiler_enabled,
     queue_end_of_backward,
     will_run_in_this_backward,
 )
@@ -121,9 +123,6 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return _map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
 @contextlib.contextmanager
 def _spans(groups: tuple[ParamGroup, ...], kind: SpanKind) -> Iterator[None]:
     """Every group's ``kind`` span around a block (ended in reverse, also when it raises)."""
@@ -133,40 +132,26 @@ def _spans(groups: tuple[ParamGroup, ...], kind: SpanKind) -> Iterator[None]:
         yield
 
 
-def _labelled(kind: SpanKind) -> Callable[[_F], _F]:
-    """Run a hook body inside the state's groups' ``kind`` span (profiler labels, tools)."""
-
-    def wrap(hook: _F) -> _F:
-        @functools.wraps(hook)
-        def run(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
-            groups = self.groups
-            if len(groups) == 1:  # the usual case: group.span's begin / end, without the stacks
-                (group,) = groups
-                group.begin(kind)
-                try:
-                    return hook(self, *args, **kwargs)
-                finally:
-                    group.end(kind)
-            with _spans(groups, kind):
-                return hook(self, *args, **kwargs)
-
-        return run  # type: ignore[return-value]  # same signature as hook
-
-    return wrap
+def _begin_spans(groups: tuple[ParamGroup, ...], kind: SpanKind) -> None:
+    """Every group's ``kind`` span begins; if one's begin raises, those begun end (as
+    :func:`_spans`)."""
+    for i, group in enumerate(groups):
+        try:
+            group.begin(kind)
+        except BaseException:
+            _end_spans(groups[:i], kind)
+            raise
 
 
-def _eager(hook: _F) -> _F:
-    """``hook`` run by Python even inside a ``torch.compile``d region (a graph break).
+def _end_spans(groups: tuple[ParamGroup, ...], kind: SpanKind) -> None:
+    for group in reversed(groups):
+        group.end(kind)
 
-    The hooks gather into storage they resize and swap the module's parameters; dynamo must
-    not trace that (fake tensors of freed storage, ``resize_`` of graph inputs). Kept out of
-    the graph, every compile order works: ``block.compile()`` and ``torch.compile(block)``
-    before or after sharding (fullgraph too: dynamo runs a disabled module hook outside the
-    frame), ``torch.compile(model)``; the compiled code sees the gathered, plain parameters.
-    torch's FSDP2 keeps its hooks out the same way (tests/test_compile.py compares).
-    """
-    eager: _F = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]  # public, unannotated
-    return eager
+
+# A hook's own span (its profiler label; tools' spans) is begun and ended by the hook itself,
+# with ParamGroup.begin's and end's own tests of whether anyone looks written out inline
+# before the calls: a hook wrapped in a labelling function, and a begin and an end called to
+# return at once, cost 3 Python calls per hook (5 hooks per group per step; bench_overhead).
 
 
 class _AfterModuleBackward(torch.autograd.Function):
@@ -358,7 +343,10 @@ class FSDPState:
         # One group per mesh the call's parameters are sharded over (per-parameter meshes
         # through shard_placement_fn); the call's own mesh first.
         self.groups = groups
+        self.several = len(groups) > 1  # the hot paths take one group without a loop
         self.modules = modules
+        # What a root forward waits to see run before the group's forward ends.
+        self._module_ids = frozenset(id(m) for m in modules)
         self.phase = Phase.IDLE
         self.root: RootContext | None = None
         self.is_root = False
@@ -413,8 +401,19 @@ class FSDPState:
     # -- installation and lazy init ----------------------------------------------------------
 
     def install(self) -> None:
-        """Register the forward hooks on every module of the group."""
-        pre_forward, post_forward = _eager(self.pre_forward), _eager(self.post_forward)
+        """Register the forward hooks on every module of the group, kept out of dynamo's graphs.
+
+        The hooks gather into storage they resize and swap the module's parameters; dynamo
+        must not trace that (fake tensors of freed storage, ``resize_`` of graph inputs).
+        Kept out of the graph (:func:`~fully_shard._compat.keep_out_of_graphs`: a graph
+        break at their call, run by Python even inside a ``torch.compile``d region), every
+        compile order works: ``block.compile()`` and ``torch.compile(block)`` before or after
+        sharding (fullgraph too: dynamo runs a disabled module hook outside the frame),
+        ``torch.compile(model)``; the compiled code sees the gathered, plain parameters.
+        torch's FSDP2 keeps its hooks out the same way (tests/test_compile.py compares).
+        """
+        pre_forward = keep_out_of_graphs(self.pre_forward)
+        post_forward = keep_out_of_graphs(self.post_forward)
         for module in self.modules:
             self._module_hooks.append(
                 module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
@@ -474,73 +473,114 @@ class FSDPState:
 
     # -- forward -------------------------------------------------------------------------------
 
-    @_labelled("pre_forward")
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        ctx = self.ensure_initialized()
-        if ctx.it.in_backward and not inside_backward():
+        """The forward pre-hook, inside the groups' ``pre_forward`` span."""
+        groups = self.groups
+        group = groups[0]
+        if (
+            self.several
+            or group.observers is not group.unwatched
+            or group.labels.open
+            or profiler_enabled()
+        ):
+            _begin_spans(groups, "pre_forward")
+        try:
+            ctx = self.root
+            if ctx is None:
+                ctx = self.ensure_initialized()
+            if ctx.it.in_backward:
+                return self._forward_in_backward(module, args, kwargs)
+            it = self.it
+            if it.forward_depth == 0:
+                if self.is_root:
+                    ctx.it.forward_running = True
+                    if ctx.buckets is not None or ctx.buckets_dirty:
+                        _refresh_buckets(ctx)
+                    if ctx.pending_finalization is not None:  # finalize_backward(async_op=True)
+                        ctx.pending_finalization()
+                if not it.modules_to_run:
+                    self._start_forward(ctx, module)
+            it.forward_depth += 1
+            input_dtype = group.config.mp_policy.forward_input_dtype()
+            if input_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), input_dtype)
+            if torch.is_grad_enabled():
+                args, kwargs = self._hook_module_backward(args, kwargs)
+            return args, kwargs
+        finally:
+            if self.several or group.observers is not group.unwatched or group.labels.open:
+                _end_spans(groups, "pre_forward")
+
+    def _forward_in_backward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A forward while the root's backward runs: a recomputation under activation
+        checkpointing, or a forward after a backward that raised before its end."""
+        if not inside_backward():
             raise FullyShardStateError(
                 f"forward of {type(module).__name__} came while the previous backward had not "
                 "finished (it raised, e.g. a second backward through a freed graph); call "
                 "reset_iter_state() on the root module before the next forward"
             )
-        if ctx.it.in_backward:  # recomputation under activation checkpointing
-            if self.config.unshard_in_backward:  # as torch: off skips this gather too
-                self._unshard_now()
-            return self._cast_inputs(args, kwargs)  # recomputed exactly as it was computed
+        if self.config.unshard_in_backward:  # as torch: off skips this gather too
+            self._unshard_now()
+        return self._cast_inputs(args, kwargs)  # recomputed exactly as it was computed
+
+    def _start_forward(self, ctx: RootContext, module: nn.Module) -> None:
+        """The group's forward starts with the first of its modules and ends when every module
+        has run (a list group is gathered once, not once per module). Outside the root's
+        forward (a head called per loss chunk) a module runs on its own."""
         it = self.it
-        if self.is_root and it.forward_depth == 0:
-            ctx.it.forward_running = True
-            if ctx.buckets is not None or ctx.buckets_dirty:
-                _refresh_buckets(ctx)
-            if ctx.pending_finalization is not None:  # finalize_backward(async_op=True)
-                ctx.pending_finalization()
-        if it.forward_depth == 0 and not it.modules_to_run:
-            # The group's forward starts with the first of its modules and ends when every
-            # module has run (a list group is gathered once, not once per module). Outside
-            # the root's forward (a head called per loss chunk) a module runs on its own.
-            it.modules_to_run = (
-                {id(m) for m in self.modules} if ctx.it.forward_running else {id(module)}
-            )
-            it.outputs_hooked = 0
-            self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")
-            for group in self.groups:
+        it.modules_to_run = set(self._module_ids) if ctx.it.forward_running else {id(module)}
+        it.outputs_hooked = 0
+        if self.phase is not Phase.FORWARD and Phase.FORWARD not in _PHASES[self.phase]:
+            self._set_phase(Phase.FORWARD, f"forward of {type(module).__name__}")  # raises
+        self.phase = Phase.FORWARD
+        groups = self.groups
+        for group in groups:
+            if group.observers is not group.unwatched or group.labels.open or profiler_enabled():
                 group.begin("forward")
-            it.ran_forward = True
-            self.unfinalized = True
-            for group in self.groups:
-                # Only a group still gathered can hold a stale copy: read no versions else.
-                if group.state is GroupState.UNSHARDED and group.gathered_copy_is_stale(
-                    group.sharded_versions()
-                ):
-                    # Gathered before an optimizer step (explicit unshard,
-                    # reshard_after_backward=False): every rank stepped, so every rank
-                    # gathers again.
-                    group.reshard()
-            it.prefetched = False
-            if self.is_root:
-                ctx.forward_iter += 1
-            self._forward_iter = ctx.forward_iter
-            if not ctx.order_recorded and self not in ctx.forward_order:
-                ctx.forward_order.append(self)
-            if all(g.state is GroupState.SHARDED for g in self.groups):
-                # Nobody prefetched this group (the root's, every step): its all-gather and
-                # the next group's both go out before the first wait, so the next one travels
-                # while this one is copied out.
-                for group in self.groups:
-                    group.unshard(async_op=True)
-                self._prefetch(self._forward_targets(), backward=False)
-                for group in self.groups:
+        it.ran_forward = True
+        self.unfinalized = True
+        for group in groups:
+            # Only a group still gathered can hold a stale copy: read no versions else.
+            if group.state is GroupState.UNSHARDED and group.gathered_copy_is_stale(
+                group.sharded_versions()
+            ):
+                # Gathered before an optimizer step (explicit unshard,
+                # reshard_after_backward=False): every rank stepped, so every rank
+                # gathers again.
+                group.reshard()
+        it.prefetched = False
+        if self.is_root:
+            ctx.forward_iter += 1
+        self._forward_iter = ctx.forward_iter
+        if not ctx.order_recorded and self not in ctx.forward_order:
+            ctx.forward_order.append(self)
+        targets = self.forward_prefetch
+        if targets is None:
+            targets = self._next_in_forward
+        if self.several:
+            unprefetched = all(g.state is GroupState.SHARDED for g in groups)
+        else:
+            unprefetched = groups[0].state is GroupState.SHARDED
+        if unprefetched:
+            # Nobody prefetched this group (the root's, every step): its all-gather and the
+            # next group's both go out before the first wait, so the next one travels while
+            # this one is copied out.
+            for group in groups:
+                group.unshard(async_op=True)
+            if targets:
+                self._prefetch(targets, backward=False)
+            for group in groups:
+                if group.state is GroupState.UNSHARDING:
                     group.wait_for_unshard()
-            else:
-                self._unshard_now()  # waits only for groups already in flight if prefetched
-                self._prefetch(self._forward_targets(), backward=False)
-        it.forward_depth += 1
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if torch.is_grad_enabled():
-            args, kwargs = self._hook_module_backward(args, kwargs)
-        return args, kwargs
+        else:
+            self._unshard_now()  # waits only for groups already in flight if prefetched
+            if targets:
+                self._prefetch(targets, backward=False)
 
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -551,13 +591,21 @@ class FSDPState:
         return _cast_floating((args, kwargs), input_dtype)  # type: ignore[no-any-return]
 
     def _cast_output(self, output: Any) -> Any:
-        out_dtype = self.config.mp_policy.output_dtype
+        out_dtype = self.groups[0].config.mp_policy.output_dtype
         return output if out_dtype is None else _cast_floating(output, out_dtype)
 
     def _hook_module_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        # The usual call, tensors passed by position only, needs no traversal.
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # The usual call, one tensor: no traversal, no swap table.
+            if not args[0].requires_grad:
+                self.it.backward_end_unseen = True  # see below
+                return args, kwargs
+            one: tuple[torch.Tensor] = _AfterModuleBackward.apply(self, args[0])  # type: ignore[no-untyped-call]
+            self.it.pending_nodes.append(weakref.ref(one[0].grad_fn))
+            return one, kwargs
+        # Tensors passed by position only need no traversal.
         plain = not kwargs and not [a for a in args if not isinstance(a, torch.Tensor)]
         needing_grad = [t for t in (args if plain else _tensors((args, kwargs))) if t.requires_grad]
         if not needing_grad:
@@ -572,63 +620,91 @@ class FSDPState:
             return tuple([swap.get(id(a), a) for a in args]), kwargs
         return _map_tensors((args, kwargs), lambda t: swap.get(id(t), t))  # type: ignore[no-any-return]
 
-    @_labelled("post_forward")
     def post_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
-        ctx = self.root
-        if ctx is None:
-            return output
-        if ctx.it.in_backward:  # recomputation under activation checkpointing: as in forward
-            return self._cast_output(output)
-        it = self.it
-        it.forward_depth -= 1
-        it.modules_to_run.discard(id(module))
-        if torch.is_grad_enabled():
-            versions = self.sharded_versions()
-            hook = functools.partial(self._pre_backward, versions)
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(hook)  # type: ignore[no-untyped-call]
-                    it.outputs_hooked += 1
-        if it.forward_depth == 0 and not it.modules_to_run:
-            self._end_forward(ctx)
-        if self.is_root and it.forward_depth == 0:
-            # Groups whose forward started in this root forward but skipped a module (a list
-            # group whose head is called per loss chunk afterwards) end their forward here.
-            for state in ctx.states:
-                if state.phase is Phase.FORWARD and state.it.forward_depth == 0:
-                    state.it.modules_to_run = set()
-                    state._end_forward(ctx)
-            ctx.it.forward_running = False
-            if not ctx.order_recorded:
-                _assign_implicit_prefetch(ctx)
-                ctx.order_recorded = True
-                _refresh_buckets(ctx)
-            self._release_unused_prefetches(ctx)
-        return self._cast_output(output)
+        """The forward hook, inside the groups' ``post_forward`` span."""
+        groups = self.groups
+        group = groups[0]
+        if (
+            self.several
+            or group.observers is not group.unwatched
+            or group.labels.open
+            or profiler_enabled()
+        ):
+            _begin_spans(groups, "post_forward")
+        try:
+            ctx = self.root
+            if ctx is None:
+                return output
+            if ctx.it.in_backward:  # recomputation under activation checkpointing: as forward
+                return self._cast_output(output)
+            it = self.it
+            it.forward_depth -= 1
+            it.modules_to_run.discard(id(module))
+            if torch.is_grad_enabled():
+                versions = self.sharded_versions() if self.several else group.sharded_versions()
+                hook = functools.partial(self._pre_backward, versions)
+                for t in [output] if isinstance(output, torch.Tensor) else _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(hook)  # type: ignore[no-untyped-call]
+                        it.outputs_hooked += 1
+            if it.forward_depth == 0:
+                if not it.modules_to_run:
+                    self._end_forward(ctx)
+                if self.is_root:
+                    self._end_root_forward(ctx)
+            out_dtype = group.config.mp_policy.output_dtype
+            return output if out_dtype is None else _cast_floating(output, out_dtype)
+        finally:
+            if self.several or group.observers is not group.unwatched or group.labels.open:
+                _end_spans(groups, "post_forward")
+
+    def _end_root_forward(self, ctx: RootContext) -> None:
+        # Groups whose forward started in this root forward but skipped a module (a list
+        # group whose head is called per loss chunk afterwards) end their forward here.
+        for state in ctx.states:
+            if state.phase is Phase.FORWARD and state.it.forward_depth == 0:
+                state.it.modules_to_run = set()
+                state._end_forward(ctx)
+        ctx.it.forward_running = False
+        if not ctx.order_recorded:
+            _assign_implicit_prefetch(ctx)
+            ctx.order_recorded = True
+            _refresh_buckets(ctx)
+        self._release_unused_prefetches(ctx)
 
     def _end_forward(self, ctx: RootContext) -> None:
         # Without an output that needs grad no backward will come to free the parameters.
-        if self.reshard_after_forward or self.it.outputs_hooked == 0:
+        backward_follows = self.it.outputs_hooked > 0
+        flag = self.groups[0].config.reshard_after_forward
+        if ((not self.is_root) if flag is None else flag) or not backward_follows:
             for group in self.groups:
-                group.reshard_after_forward(backward_follows=self.it.outputs_hooked > 0)
-        self._set_phase(Phase.IDLE, "end of forward")
+                if group.config.post_forward is None:  # its reshard_after_forward's first case
+                    group.reshard()
+                else:
+                    group.reshard_after_forward(backward_follows=backward_follows)
+        if self.phase is not Phase.IDLE and Phase.IDLE not in _PHASES[self.phase]:
+            self._set_phase(Phase.IDLE, "end of forward")  # raises
+        self.phase = Phase.IDLE
         if not ctx.order_recorded and self not in ctx.post_forward_order:
             ctx.post_forward_order.append(self)
         for group in reversed(self.groups):
-            group.end("forward")
+            if group.observers is not group.unwatched or group.labels.open:
+                group.end("forward")
 
     def _unshard_now(self) -> None:
-        """Gather every group and wait (no-op for groups already gathered).
+        """Gather every group and wait (nothing for groups already gathered).
 
         With several groups every all-gather is issued before the first wait, so they overlap.
         """
-        several = len(self.groups) > 1
+        several = self.several
         for group in self.groups:
-            group.unshard(async_op=several)
+            if group.state is GroupState.SHARDED:
+                group.unshard(async_op=several)
         for group in self.groups:
-            group.wait_for_unshard()
+            if group.state is GroupState.UNSHARDING:
+                group.wait_for_unshard()
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -656,45 +732,66 @@ class FSDPState:
                 )
 
     def _pre_backward(self, forward_versions: list[tuple[int, int]], grad: torch.Tensor) -> None:
-        self._check_unchanged_since_forward(forward_versions)
-        self._ensure_end_of_backward_callback()
+        now = self.sharded_versions() if self.several else self.groups[0].sharded_versions()
+        if now != forward_versions:
+            self._check_unchanged_since_forward(forward_versions)  # names the parameter
+        ctx = self.root
+        if ctx is None or not ctx.it.callback_queued:
+            self._ensure_end_of_backward_callback()
         if self.phase is not Phase.PRE_BACKWARD:
             self._start_backward()
 
-    @_labelled("pre_backward")
     def _start_backward(self) -> None:
-        self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")
-        self.it.prefetched = False
-        for group in self.groups:
-            group.begin("backward")
-        if self.config.unshard_in_backward:
-            self._unshard_now()
-        self._prefetch(self._backward_targets(), backward=True)
+        """The group's backward starts, inside its ``pre_backward`` span."""
+        groups = self.groups
+        group = groups[0]
+        if (
+            self.several
+            or group.observers is not group.unwatched
+            or group.labels.open
+            or profiler_enabled()
+        ):
+            _begin_spans(groups, "pre_backward")
+        try:
+            if Phase.PRE_BACKWARD not in _PHASES[self.phase]:
+                self._set_phase(Phase.PRE_BACKWARD, "backward (gradient of an output)")  # raises
+            self.phase = Phase.PRE_BACKWARD
+            self.it.prefetched = False
+            for g in groups:
+                if g.observers is not g.unwatched or g.labels.open or profiler_enabled():
+                    g.begin("backward")
+            if group.config.unshard_in_backward:
+                self._unshard_now()
+            targets = self.backward_prefetch
+            if targets is None:
+                targets = self._next_in_backward
+            if targets:
+                self._prefetch(targets, backward=True)
+        finally:
+            if self.several or group.observers is not group.unwatched or group.labels.open:
+                _end_spans(groups, "pre_backward")
 
     # -- prefetch ------------------------------------------------------------------------------
-
-    def _forward_targets(self) -> list[FSDPState]:
-        if self.forward_prefetch is not None:
-            return self.forward_prefetch
-        return self._next_in_forward
-
-    def _backward_targets(self) -> list[FSDPState]:
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        return self._next_in_backward
 
     def _prefetch(self, targets: list[FSDPState], *, backward: bool) -> None:
         """Issue the all-gathers of ``targets`` without waiting; their own hooks wait."""
         for target in targets:
-            sharded = [g for g in target.groups if g.state is GroupState.SHARDED]
-            if target is self or not sharded:
+            if target is self or target.phase is not Phase.IDLE:
+                continue
+            if target.several:
+                sharded = [g for g in target.groups if g.state is GroupState.SHARDED]
+                if not sharded:
+                    continue
+            elif target.groups[0].state is GroupState.SHARDED:
+                sharded = list(target.groups)
+            else:
                 continue
             # Only a group that will still run in this pass: in forward, one whose forward has
             # not run in this root forward; in backward, one that ran forward and has not
             # started its backward.
-            if target.phase is not Phase.IDLE:
-                continue
-            if backward and not (target.it.ran_forward and target.config.unshard_in_backward):
+            if backward and not (
+                target.it.ran_forward and target.groups[0].config.unshard_in_backward
+            ):
                 continue
             ctx = target.root
             if not backward and ctx is not None and target._forward_iter == ctx.forward_iter:
@@ -715,15 +812,22 @@ class FSDPState:
         """A module call's backward is over (``_AfterModuleBackward``): post-backward unless
         another call of this group still runs its backward in this pass."""
         it = self.it
-        alive = [(ref, ref()) for ref in it.pending_nodes]
-        it.pending_nodes = [ref for ref, n in alive if n is not None and n is not node]
+        pending = it.pending_nodes
+        if len(pending) == 1 and pending[0]() is node:  # the usual: one call, this one
+            it.pending_nodes = []
+            others: list[Any] = []
+        else:
+            alive = [(ref, ref()) for ref in pending]
+            it.pending_nodes = [ref for ref, n in alive if n is not None and n is not node]
+            others = [n for _, n in alive if n is not None and n is not node]
         if it.backward_end_unseen or self.phase is not Phase.PRE_BACKWARD:
             return
         # Calls whose backward comes in a later pass (F1 F2 B1 B2) do not hold the group.
-        others = (n for _, n in alive if n is not None and n is not node)
-        if not any(will_run_in_this_backward(n) for n in others):
+        if others and any(will_run_in_this_backward(n) for n in others):
+            return
+        if not self.groups[0].config.requires_gradient_sync:
             self._check_weight_part_can_follow()
-            self._post_backward()
+        self._post_backward()
 
     def _check_weight_part_can_follow(self) -> None:
         """Refuse a backward split into input and weight parts that would lose the weights'.
@@ -756,31 +860,67 @@ class FSDPState:
             "stage's modules (torchtitan's default under pipeline parallelism)"
         )
 
-    @_labelled("post_backward")
     def _post_backward(self) -> None:
-        ctx = self.ensure_initialized()
-        self._set_phase(Phase.POST_BACKWARD, "post-backward (the group's backward is done)")
-        if self.config.requires_gradient_sync:
-            # At most one state's reduce-scatters in flight: their buffers are full-size grads.
-            for reducing in ctx.it.reducing:
-                if reducing not in self.groups:
-                    reducing.finish_reduce()
-            self._reduce_grads()
-            ctx.it.reducing = tuple(g for g in self.groups if g.has_pending_reduce())
-            self.unfinalized = False
-        else:
-            for group in self.groups:
-                group.reduce_grads()
-        for group in self.groups:
-            if group.config.reshard_after_backward:
-                group.reshard()
-        for group in reversed(self.groups):
-            group.end("backward")
+        """The group's backward is done: reduce, reshard; inside its ``post_backward`` span."""
+        groups = self.groups
+        group = groups[0]
+        if (
+            self.several
+            or group.observers is not group.unwatched
+            or group.labels.open
+            or profiler_enabled()
+        ):
+            _begin_spans(groups, "post_backward")
+        try:
+            ctx = self.root
+            if ctx is None:
+                ctx = self.ensure_initialized()
+            phase = self.phase
+            if phase is not Phase.POST_BACKWARD and Phase.POST_BACKWARD not in _PHASES[phase]:
+                self._set_phase(Phase.POST_BACKWARD, "post-backward (the group's backward is done)")
+            self.phase = Phase.POST_BACKWARD
+            if group.config.requires_gradient_sync:
+                # At most one state's reduce-scatters in flight: their buffers are full-size
+                # grads.
+                for reducing in ctx.it.reducing:
+                    if reducing not in groups:
+                        reducing.finish_reduce()
+                self._reduce_grads()
+                if self.several:
+                    ctx.it.reducing = tuple(g for g in groups if g.has_pending_reduce())
+                else:
+                    ctx.it.reducing = groups if group.has_pending_reduce() else ()
+                self.unfinalized = False
+            else:
+                for g in groups:
+                    g.reduce_grads()
+            for g in groups:
+                if g.config.reshard_after_backward:
+                    g.reshard()
+            for g in reversed(groups):
+                if g.observers is not g.unwatched or g.labels.open:
+                    g.end("backward")
+        finally:
+            if self.several or group.observers is not group.unwatched or group.labels.open:
+                _end_spans(groups, "post_backward")
 
-    @_labelled("post_backward_reduce")
     def _reduce_grads(self) -> None:
-        for group in self.groups:
-            group.reduce_grads()
+        """Every group's reduction, inside its ``post_backward_reduce`` span."""
+        groups = self.groups
+        group = groups[0]
+        if (
+            self.several
+            or group.observers is not group.unwatched
+            or group.labels.open
+            or profiler_enabled()
+        ):
+            _begin_spans(groups, "post_backward_reduce")
+        try:
+            for g in groups:
+                g.reduce_grads()
+        finally:
+            if self.several or group.observers is not group.unwatched or group.labels.open:
+                _end_spans(groups, "post_backward_reduce")
 
     def _end_of_backward(self) -> None:
         """Root only: runs once after autograd finished the whole backward pass.

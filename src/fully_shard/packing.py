@@ -108,12 +108,8 @@ def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
     ``flat_in`` is ``(total,)`` in the wire dtype (:func:`wire_dtype`), laid out as
     ``[input 0 | input 1 | ...]`` with the lengths of :func:`split_sizes`.
     """
-    whole = [gi.data.view(-1) for gi in inputs if _fills_its_slot(gi, flat_in)]
-    if whole and len(whole) == len(inputs):
-        # Every input is its whole padded shard, contiguous, in the wire dtype, on the
-        # buffer's device (the usual even split; not an offloaded shard, whose copy is the
-        # host-to-device one below): one cat for the group instead of a view, a copy and a
-        # padding check per input. The same bytes land in the same places.
+    whole = whole_inputs(inputs, flat_in)
+    if whole is not None:
         torch.cat(whole, out=flat_in)
         return
     slots = torch.split(flat_in, split_sizes(inputs, flat_in.dtype))
@@ -127,6 +123,16 @@ def copy_in(flat_in: torch.Tensor, inputs: Sequence[GatherInput]) -> None:
             typed = torch.empty(gi.numel, dtype=gi.dtype, device=slot.device)
             gi.write_typed(typed)
             slot.copy_(typed.view(torch.uint8))
+
+
+def whole_inputs(inputs: Sequence[GatherInput], flat: torch.Tensor) -> list[torch.Tensor] | None:
+    """Each input's data flattened, when every input is its whole padded shard, contiguous,
+    in the wire dtype, on the buffer's device (the usual even split; not an offloaded shard,
+    whose copy is the host-to-device one of :func:`copy_in`): then ``torch.cat`` of them into
+    ``flat``'s slice is the whole copy-in, one call for the group instead of a view, a copy
+    and a padding check per input, the same bytes in the same places. ``None`` otherwise."""
+    whole = [gi.data.view(-1) for gi in inputs if _fills_its_slot(gi, flat)]
+    return whole if whole and len(whole) == len(inputs) else None
 
 
 def _fills_its_slot(gi: GatherInput, flat: torch.Tensor) -> bool:

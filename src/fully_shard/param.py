@@ -127,6 +127,10 @@ class ShardedParam:
         self.layout = ShardLayout.chunked(
             self.orig_size, shard_dim, info.shard_size, info.shard_rank
         )
+        # The layout is frozen: its derived sizes, read at every reduction, are read once.
+        self._padded_shard_size = self.layout.padded_shard_size
+        # Elements of one padded shard: what every rank sends for this parameter.
+        self.padded_numel: int = self._padded_shard_size.numel()
 
         # The DTensor layout of the shard and its gradient, per dtype (model.to(dtype) adds one).
         self._spec: dict[torch.dtype, object] = {}
@@ -193,11 +197,6 @@ class ShardedParam:
     def orig_dtype(self) -> torch.dtype:
         """The sharded parameter's dtype now (``model.to(dtype)`` changes it)."""
         return self._local.dtype
-
-    @property
-    def padded_numel(self) -> int:
-        """Elements of one padded shard: what every rank sends for this parameter."""
-        return self.layout.padded_numel
 
     def gather_format(self, policy: QuantizationPolicy) -> GatherFormat:
         """How the shard travels in its all-gather (plain or int8): ``policy`` (its group's)
@@ -309,7 +308,7 @@ class ShardedParam:
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add ``local_grad`` (this rank's reduced rows) into the sharded DTensor's ``.grad``."""
-        dtype = self.sharded_grad_dtype or self.orig_dtype
+        dtype = self.sharded_grad_dtype or self._local.dtype  # (orig_dtype, read inline)
         local_grad = local_grad.to(dtype=dtype, device=self._local.device)
         grad = self.sharded_param.grad
         if grad is None:
@@ -476,6 +475,7 @@ class ShardedParam:
 
     def local_grad_from(self, reduced: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the gradient out of its reduce-scatter slice ``(padded_numel,)``."""
-        layout = self.layout
-        rows = reduced.view(layout.padded_shard_size).narrow(self.shard_dim, 0, layout.local_rows)
+        rows = reduced.view(self._padded_shard_size).narrow(
+            self.shard_dim, 0, self.layout.local_rows
+        )
         return rows if rows.is_contiguous() else rows.contiguous()
