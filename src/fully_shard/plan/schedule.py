@@ -25,6 +25,21 @@ optimizer temporaries       AdamW's ``sqrt`` and divide on a shard, and the prev
                             foreach kernels (accelerator) a ``sqrt`` of every shard at once
 ==========================  ============================================================
 
+With ``set_bucket_cap_mb`` (``Choice.bucket_cap_mb``), runs of groups share collectives
+(:mod:`fully_shard.plan.buckets` cuts them as the engine does), and two lifetimes change:
+
+==========================  ============================================================
+bucket gather buffer        ``W * sum(padded shard)`` of every member gathered with the
+                            first one that unshards (the run's later groups still to run
+                            in this pass): one buffer, issued by that group's unshard (or
+                            prefetch), until the last of them has copied out its columns
+bucket reduction            each member's unsharded gradients parked from its
+                            post-backward until the run's last member's; then one
+                            ``W * total`` input (every member's packed gradients) and
+                            ``total`` output, finished by the next post-backward; what
+                            the end of backward finds parked goes out then
+==========================  ============================================================
+
 One shard rank (W=1) is the engine's fast path: a plain parameter in its own dtype on the
 device uses its shard's storage (no gather buffer, no unsharded storage), and the
 reduce-scatter's input buffer is its result (no ``total`` output).
