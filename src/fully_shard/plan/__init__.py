@@ -255,7 +255,8 @@ class Plan:
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     quantization_policy: QuantizationPolicy = field(default_factory=QuantizationPolicy)
     bucket_cap_mb: float | None = None
-    buckets: dict[str, list[int]] | None = None
+    # A dict, as the root's buckets.sizes() gives it: left out of the hash (a Plan hashes).
+    buckets: dict[str, list[int]] | None = field(default=None, hash=False)
 
     def offload_policy(self) -> OffloadPolicy:
         """The offload policy every group gets.
