@@ -259,6 +259,85 @@ def test_predicted_peak_matches_memtracker_and_fits(
         assert measured <= budget, f"measured {measured} > budget {budget}\n{table}"
 
 
+def _measure_buckets(
+    spec: dict[str, Any], caps: tuple[float, ...]
+) -> tuple[int, int, int, int, float | None, Any, Any, str]:
+    """Buckets on: the default configuration (every block reshards after forward, so both
+    gather directions and the reductions are bucketed), under a budget that is its predicted
+    peak with the smallest of ``caps`` exactly. On each rank: (predicted, predicted without
+    buckets, measured, budget, the chosen cap, the planned and the engine's bucket sizes,
+    the table)."""
+    bounds: list[Any] = [None, None]
+    if dist.get_rank() == 0:  # the ranks share the cores: one plans the budget
+        bounds[0] = _plan(spec, "1TiB", allow=(), bucket_caps=caps[-1:]).peak_bytes
+        bounds[1] = _plan(spec, "1TiB", allow=()).rank_peaks
+    dist.broadcast_object_list(bounds, src=0)
+    budget, blind = bounds
+    p = _plan(spec, budget, allow=(), bucket_caps=caps)
+    model = p.apply(_build(spec), mesh_1d())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tracker = _Tracker()
+    tracker.track_external(model)
+    with tracker:
+        for step in range(2):  # the first records the order and runs unbucketed
+            loss = loss_fn(model(_tokens(spec, step)))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            del loss
+            tracker.reset_mod_stats()
+    measured = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    buckets = model._fsdp_state.root.buckets  # type: ignore[union-attr]
+    rank = dist.get_rank()
+    engine = None if buckets is None else buckets.sizes()
+    return (
+        p.rank_peaks[rank],
+        blind[rank],
+        measured,
+        budget,
+        p.bucket_cap_mb,
+        p.buckets,
+        engine,
+        str(p),
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "world", "caps", "blind_misses"),
+    [
+        # Pre-norm MLP blocks (W=2): 1 MiB would hold the whole model, which does not fit the
+        # budget; 0.25 MiB merges three blocks at most.
+        (_mlp(640, 48, 5, "none", 2, 16, tie=False), 2, (1.0, 0.25), False),
+        # Llama-style blocks in bf16 (W=4, uneven rows), a frozen embedding (the first
+        # block's backward ends with the root's), a tied head: one bucket each way.
+        (
+            {"kind": "transformer", "vocab": 37, "dim": 16, "layers": 4, "ffn": 40, "tie": True}
+            | {"frozen": "embedding", "mp": True, "batch": 2, "seq": 8},
+            4,
+            (0.25,),
+            True,
+        ),
+    ],
+)
+def test_predicted_peak_with_buckets_matches_memtracker_and_fits(
+    spec: dict[str, Any], world: int, caps: tuple[float, ...], blind_misses: bool
+) -> None:
+    for predicted, blind, measured, budget, cap, planned, engine, table in run_distributed(
+        _measure_buckets, world, spec, caps, timeout=120
+    ):
+        # The largest cap that fits: the smallest, as the budget was its peak.
+        assert cap == caps[-1], table
+        assert planned == engine, f"planned buckets {planned}, the engine's {engine}"
+        assert engine is not None and max(max(v, default=1) for v in engine.values()) > 1
+        assert abs(predicted - measured) <= TOLERANCE * measured, (
+            f"predicted {predicted}, measured {measured}\n{table}"
+        )
+        assert measured <= budget, f"measured {measured} > budget {budget}\n{table}"
+        assert predicted > blind  # the buckets' memory is in the prediction
+        if blind_misses:  # ... and a prediction without it would fail the tolerance
+            assert abs(blind - measured) > TOLERANCE * measured, (blind, measured)
+
+
 def _hand_vs_plan(spec: dict[str, Any]) -> tuple[list[float], list[float], bool, bool]:
     """Train the planned model and the same configuration written by hand; compare."""
     (budget,) = _budgets_between(spec, [0.3])
@@ -377,6 +456,8 @@ def _model() -> nn.Module:
         ({"optimizer": "lion"}, FullyShardValueError, "optimizer='lion' is not a known layout"),
         ({"example_inputs": (torch.zeros(2, 5),)}, FullyShardValueError, "did not run"),
         ({"example_inputs": [1]}, FullyShardTypeError, "example_inputs must be a tuple"),
+        ({"bucket_caps": 25}, FullyShardTypeError, "bucket_caps must be a sequence"),
+        ({"bucket_caps": (25, 0)}, FullyShardValueError, "positive, finite size in MiB"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(

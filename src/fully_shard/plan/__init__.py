@@ -30,13 +30,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ from ..errors import FullyShardTypeError, FullyShardValueError, PlanInfeasibleEr
 from ..layout import split_rows
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .activations import Mark, Trace, fake_mode, fake_replica, run_trace, to_fake
+from .buckets import BucketRuns, bucket_runs
 from .repeat import KEEP, expand, find_run, kept_blocks, short_groups, shortened
 from .schedule import CATEGORIES, Choice, Model, Outcome, ParamInfo, simulate
 
@@ -223,6 +225,10 @@ class Plan:
         mp_policy: the user's mixed precision, passed to every ``fully_shard`` call.
         quantization_policy: the user's gather quantization, passed to every ``fully_shard``
             call.
+        bucket_cap_mb: the root's ``set_bucket_cap_mb`` (one of ``plan(bucket_caps=...)``),
+            or ``None``: no buckets.
+        buckets: groups per bucket, in issue order, with ``bucket_cap_mb`` (what the root's
+            ``buckets.sizes()`` will say after the first step); ``None`` without.
 
     Example:
         >>> p = fully_shard.plan(model, budget="2GiB", world_size=8,  # doctest: +SKIP
@@ -248,6 +254,9 @@ class Plan:
     breakdown: tuple[tuple[str, int], ...]
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     quantization_policy: QuantizationPolicy = field(default_factory=QuantizationPolicy)
+    bucket_cap_mb: float | None = None
+    # A dict, as the root's buckets.sizes() gives it: left out of the hash (a Plan hashes).
+    buckets: dict[str, list[int]] | None = field(default=None, hash=False)
 
     def offload_policy(self) -> OffloadPolicy:
         """The offload policy every group gets.
@@ -307,6 +316,8 @@ class Plan:
             fully_shard(module, reshard_after_forward=g.reshard_after_forward, **options)
         root = next(g for g in self.groups if not g.fqn)
         fully_shard(model, reshard_after_forward=root.reshard_after_forward, **options)
+        if self.bucket_cap_mb is not None:
+            cast(FSDPModule, model).set_bucket_cap_mb(self.bucket_cap_mb)
         return model
 
     def __str__(self) -> str:
@@ -337,6 +348,12 @@ class Plan:
             if self.offload
             else "no offload"
         )
+        if self.buckets is not None:
+            b = self.buckets
+            lines.append(
+                f"buckets (set_bucket_cap_mb({self.bucket_cap_mb})): forward gathers "
+                f"{b['forward']}, backward gathers {b['backward']}, reductions {b['reduce']}"
+            )
         lines.append(
             f"moves {_fmt(self.step_bytes)} per rank per step; recomputes "
             f"{self.recompute_flops / 1e9:.1f} GFLOP; {offload}"
@@ -686,7 +703,26 @@ def _to_plan(
         breakdown=tuple(zip(CATEGORIES, out.breakdown, strict=True)),
         mp_policy=mp,
         quantization_policy=qp,
+        bucket_cap_mb=c.bucket_cap_mb,
+        buckets=None if c.bucket_cap_mb is None else _runs(s, c).sizes(),
     )
+
+
+def _runs(s: _Setup, c: Choice) -> BucketRuns:
+    offload = c.offload and not s.device_is_host
+    return bucket_runs(s.model.params, s.model.plain, c, s.world, offload)
+
+
+def _with_buckets(s: _Setup, c: Choice, caps: Sequence[float], budget: int) -> Choice:
+    """``c`` with the largest of ``caps`` (MiB) under which its predicted peak still fits
+    ``budget``; ``c`` itself where none fits or none merges two groups."""
+    for cap in sorted(caps, reverse=True):
+        bucketed = dataclasses.replace(c, bucket_cap_mb=cap)
+        if not _runs(s, bucketed).merges():
+            return c  # a smaller cap merges nothing either
+        if _simulate(s, bucketed).peak <= budget:
+            return bucketed
+    return c
 
 
 def _rank_peaks(s: _Setup, c: Choice, peak0: int) -> list[int]:
@@ -702,6 +738,21 @@ def _rank_peaks(s: _Setup, c: Choice, peak0: int) -> list[int]:
             known[key] = peak0 if r == 0 else _simulate(s, c, r).peak
         out.append(known[key])
     return out
+
+
+def _check_caps(caps: Sequence[float]) -> tuple[float, ...]:
+    if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence):
+        raise FullyShardTypeError(
+            f"bucket_caps must be a sequence of sizes in MiB, e.g. (25, 5), got {caps!r}"
+        )
+    for cap in caps:
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+            raise FullyShardTypeError(f"bucket_caps holds {cap!r}, not a size in MiB")
+        if not (math.isfinite(cap) and cap > 0):
+            raise FullyShardValueError(
+                f"bucket_caps holds {cap!r}; each cap is a positive, finite size in MiB"
+            )
+    return tuple(caps)
 
 
 def _describe(c: Choice, labels: Sequence[str]) -> str:
@@ -728,6 +779,7 @@ def plan(
     block_types: Sequence[type[nn.Module]] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     costs: StepCosts = StepCosts(),
+    bucket_caps: Sequence[float] = (),
 ) -> Plan:
     """The cheapest ``fully_shard`` configuration of ``model`` whose step fits in ``budget``.
 
@@ -767,6 +819,9 @@ def plan(
             target on ``output.device``); default: the output's ``loss`` or the sum of its
             tensors.
         costs: how to weigh communication, recomputation and host traffic.
+        bucket_caps: candidate ``set_bucket_cap_mb`` values (MiB). The configuration is
+            chosen as without them; then it takes the largest cap under which its predicted
+            peak, buckets included, still fits (none if none does), and ``apply`` sets it.
 
     Raises:
         PlanInfeasibleError: no allowed configuration fits; ``minimum_bytes`` says how much
@@ -835,6 +890,7 @@ def plan(
     if not isinstance(qp, QuantizationPolicy):
         raise FullyShardTypeError(f"quantization_policy must be a QuantizationPolicy, got {qp!r}")
     args, kwargs = _inputs(example_inputs)
+    caps = _check_caps(bucket_caps)
 
     block_names = _find_blocks(model, block_types)
     mode = fake_mode()
@@ -859,6 +915,8 @@ def plan(
                 wire_bytes_per_row=_quant_bytes(qp, p.shape, p.dtype, padded),
                 trainable=p.requires_grad,
                 group=g,
+                compute_dtype=str(mp.compute_dtype(p.dtype)),
+                reduce_dtype=str(mp.reduce_dtype_for(p.dtype)),
             )
         )
     replica_params = [mapping[id(p)] for p in params_orig]
@@ -923,6 +981,7 @@ def plan(
         c = k.choice(len(blocks))
         peak = _simulate(setup, c).peak
         if peak <= budget_bytes:
+            c = _with_buckets(setup, c, caps, budget_bytes)
             return _to_plan(setup, c, budget_bytes, cost, mp, qp)
         if best is None or peak < best[0]:
             best = (peak, c, cost)

@@ -25,6 +25,21 @@ optimizer temporaries       AdamW's ``sqrt`` and divide on a shard, and the prev
                             foreach kernels (accelerator) a ``sqrt`` of every shard at once
 ==========================  ============================================================
 
+With ``set_bucket_cap_mb`` (``Choice.bucket_cap_mb``), runs of groups share collectives
+(:mod:`fully_shard.plan.buckets` cuts them as the engine does), and two lifetimes change:
+
+==========================  ============================================================
+bucket gather buffer        ``W * sum(padded shard)`` of every member gathered with the
+                            first one that unshards (the run's later groups still to run
+                            in this pass): one buffer, issued by that group's unshard (or
+                            prefetch), until the last of them has copied out its columns
+bucket reduction            each member's unsharded gradients parked from its
+                            post-backward until the run's last member's; then one
+                            ``W * total`` input (every member's packed gradients) and
+                            ``total`` output, finished by the next post-backward; what
+                            the end of backward finds parked goes out then
+==========================  ============================================================
+
 One shard rank (W=1) is the engine's fast path: a plain parameter in its own dtype on the
 device uses its shard's storage (no gather buffer, no unsharded storage), and the
 reduce-scatter's input buffer is its result (no ``total`` output).
@@ -42,6 +57,7 @@ from dataclasses import dataclass, field
 
 from ..layout import split_rows
 from .activations import Mark, Span, Trace
+from .buckets import bucket_runs
 
 CATEGORIES = (
     "parameters",
@@ -66,6 +82,9 @@ class ParamInfo:
     wire_bytes_per_row: int | None  # int8 gathers: bytes per padded shard (None: plain)
     trainable: bool
     group: int
+    # The dtypes' names: two groups share a bucket only where these agree (bucket keys).
+    compute_dtype: str = ""
+    reduce_dtype: str = ""
 
     def rows_rest(self) -> tuple[int, int]:
         if not self.shape:
@@ -90,11 +109,13 @@ class Model:
 @dataclass(frozen=True)
 class Choice:
     """One configuration: per group (0: the root) its ``reshard_after_forward`` and
-    checkpointing, and whether sharded state is offloaded to the host."""
+    checkpointing, whether sharded state is offloaded to the host, and the root's
+    ``set_bucket_cap_mb`` (``None``: no buckets)."""
 
     reshard: tuple[bool | int, ...]
     checkpoint: tuple[bool, ...]
     offload: bool
+    bucket_cap_mb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +200,15 @@ def _layout(p: ParamInfo, world: int, rank: int) -> tuple[int, int, int]:
 
 
 @dataclass
+class _SharedGather:
+    """A bucket's all-gather output: one buffer for its members, alive until the last of them
+    has copied out (each member's part is a view of it)."""
+
+    nbytes: int
+    waiting: set[int]
+
+
+@dataclass
 class _Group:
     params: list[int]
     state: str = "sharded"  # sharded | unsharding | unsharded
@@ -188,6 +218,7 @@ class _Group:
     piece: int = 0  # post-forward piece bytes
     pieces: int = 0  # n while this rank holds post-forward pieces of an n-rank split, else 0
     unsharded: int = 0
+    shared: _SharedGather | None = None  # the bucket gather it waits for, if any
 
 
 def simulate(
@@ -206,6 +237,9 @@ def simulate(
     with_grad = model.plain.params_with_grad
     led = _Ledger()
     groups = [_Group([i for i, p in enumerate(params) if p.group == g]) for g in range(ng)]
+    runs = bucket_runs(params, model.plain, choice, world, offload)
+    parked: dict[tuple[int, ...], dict[int, list[int]]] = {}  # reduce run -> member -> packed
+    in_backward = [False]  # the engine's ctx.it.in_backward: from the first pre-backward on
 
     def local_bytes(i: int) -> int:
         _, local, rest = lay[i]
@@ -280,9 +314,30 @@ def simulate(
     def reshard_flag(g: int) -> bool | int:
         return choice.reshard[g]
 
+    def claim(g: int, backward: bool) -> bool:
+        # The rules of the engine's prefetch (a group that still runs in this pass).
+        grp = groups[g]
+        ran = grp.ran_forward
+        return grp.state == "sharded" and grp.phase == "idle" and (ran if backward else not ran)
+
+    def unshard_bucket(g: int) -> bool:
+        """Buckets.unshard: one all-gather for ``g`` and its run's later groups yet to run."""
+        backward = in_backward[0]
+        run = runs.of("backward" if backward else "forward", g)
+        if run is None:
+            return False
+        members = [g] + [m for m in run[run.index(g) + 1 :] if claim(m, backward)]
+        if len(members) == 1:
+            return False
+        shared = _SharedGather(sum(gather_bytes(m) for m in members), set(members))
+        led.add("gathered", shared.nbytes)
+        for m in members:
+            groups[m].state, groups[m].shared = "unsharding", shared
+        return True
+
     def unshard(g: int) -> None:
         grp = groups[g]
-        if grp.state != "sharded" or not grp.params:
+        if grp.state != "sharded" or not grp.params or unshard_bucket(g):
             return
         grp.gather = piece_gather_bytes(g, grp.pieces) if grp.pieces else gather_bytes(g)
         led.add("gathered", grp.gather)
@@ -297,6 +352,11 @@ def simulate(
         grp.unsharded = unsharded_bytes(g)
         led.add("gathered", grp.unsharded)  # copy-out: buffer and storage both live
         led.add("gathered", -grp.gather - grp.piece)
+        shared, grp.shared = grp.shared, None
+        if shared is not None:
+            shared.waiting.discard(g)
+            if not shared.waiting:  # the last view of the bucket's buffer is gone
+                led.add("gathered", -shared.nbytes)
         grp.gather, grp.piece, grp.pieces = 0, 0, 0
         grp.state = "unsharded"
 
@@ -345,8 +405,9 @@ def simulate(
         led.add("reduce buffers", -flat_in - out)
         led.add("gradients", aliased)
 
-    def reduce_grads(g: int) -> None:
-        packed = [i for i in groups[g].params if i in with_grad]
+    def send(members: Sequence[int], packed: list[int]) -> None:
+        """Pack ``members``' gradients (``packed``: their parameters with one, in order) into
+        one reduce-scatter: one group's, or a bucket's."""
         if not packed:
             return
         red = params[packed[0]].reduce_itemsize
@@ -355,8 +416,9 @@ def simulate(
         flat_in, out = world * total * red, (0 if world == 1 else total * red)
         led.add("reduce buffers", flat_in)
         # Packing frees every unsharded gradient before the reduce-scatter output exists.
-        led.add("unsharded gradients", -grads_live[g])
-        grads_live[g] = 0
+        for m in members:
+            led.add("unsharded gradients", -grads_live[m])
+            grads_live[m] = 0
         led.add("reduce buffers", out)
         # The sharded .grad is a view of the result when no cast or move is needed: it stays.
         result = flat_in if world == 1 else out
@@ -364,7 +426,25 @@ def simulate(
         copies = [i for i in packed if i not in alias]
         copied = 0 if offload else sum(map(local_bytes, copies))
         grad_host = sum(map(local_bytes, packed)) if offload else 0
-        reducing.append((g, flat_in, out, result if alias else 0, copied, grad_host))
+        reducing.append((members[-1], flat_in, out, result if alias else 0, copied, grad_host))
+
+    def issue(run: tuple[int, ...]) -> None:
+        """bucket._issue: one reduce-scatter for what the run's members parked, in run order."""
+        kept = parked.pop(run, {})
+        members = [m for m in run if m in kept]
+        send(members, [i for m in members for i in kept[m]])
+
+    def reduce_grads(g: int) -> None:
+        packed = [i for i in groups[g].params if i in with_grad]
+        run = runs.of("reduce", g)
+        if run is None:
+            send([g], packed)
+            return
+        # Buckets.park: the unsharded gradients wait until the run's last group is done.
+        kept = parked.setdefault(run, {})
+        kept[g] = packed
+        if len(kept) == len(run):
+            issue(run)
 
     def post_backward(g: int) -> None:
         grp = groups[g]
@@ -432,6 +512,7 @@ def simulate(
         elif kind == "loss":
             led.phase = "loss"
         elif kind == "bwd_start":
+            in_backward[0] = True
             if grp.phase != "pre_backward":
                 led.phase = f"backward of {labels[g]}"
                 grp.phase = "pre_backward"
@@ -446,6 +527,8 @@ def simulate(
                 st = groups[s]
                 if st.phase == "pre_backward" or (st.ran_forward and st.phase != "post_backward"):
                     post_backward(s)
+            for run in list(parked):  # Buckets.flush: runs whose last group did not come
+                issue(run)
             while reducing:
                 finish_reduce(reducing.pop(0))
             for s in range(ng):
