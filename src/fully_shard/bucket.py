@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -54,6 +54,7 @@ from .packing import GatherInput, ProcessGroupAllocator, allocate_buffer, copy_i
 from .param import ShardedParam
 
 MIB = 1024 * 1024  # DDP's bucket_cap_mb unit
+T = TypeVar("T")  # what runs_of cuts: groups here, the planner's group indices in plan/
 
 Packed = list[tuple[int, torch.Tensor | None]]
 """A group's gradients to reduce: (parameter index in the group, unsharded gradient)."""
@@ -143,11 +144,11 @@ def reduce_bytes(d: GroupDescription) -> int:
 
 
 def runs_of(
-    groups: Sequence[ParamGroup],
-    key: Callable[[ParamGroup], Hashable | None],
-    nbytes: Callable[[ParamGroup], int],
-    cap: Callable[[ParamGroup], int | None],
-) -> list[tuple[ParamGroup, ...]]:
+    groups: Sequence[T],
+    key: Callable[[T], Hashable | None],
+    nbytes: Callable[[T], int],
+    cap: Callable[[T], int | None],
+) -> list[tuple[T, ...]]:
     """Cut ``groups`` (in the order their collectives come) into runs: consecutive groups
     with the same key and cap, while the run's buffer stays within the cap (a group larger
     than the cap is a run of its own). Groups without a key or a cap are runs of one.
@@ -156,8 +157,8 @@ def runs_of(
         >>> [len(r) for r in runs_of(groups, gather_key, size, cap)]  # doctest: +SKIP
         [3, 3, 1]
     """
-    runs: list[tuple[ParamGroup, ...]] = []
-    run: list[ParamGroup] = []
+    runs: list[tuple[T, ...]] = []
+    run: list[T] = []
     run_key: Hashable | None = None
     used = 0
     for group in groups:

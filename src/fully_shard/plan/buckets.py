@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from ..bucket import cap_bytes, runs_of
 from ..layout import split_rows
@@ -94,10 +94,8 @@ def _cut(
     nbytes: Callable[[int], int],
     cap: int,
 ) -> Runs:
-    # The engine's own cut. Its body treats a group as an opaque value passed to the three
-    # callables, but its annotations name ParamGroup: group indices pass through Any.
-    runs = runs_of(cast(Any, order), cast(Any, key), cast(Any, nbytes), lambda _: cap)
-    return tuple(tuple(cast(int, g) for g in run) for run in runs)
+    # The engine's own cut (generic over what it cuts: here the planner's group indices).
+    return tuple(runs_of(order, key, nbytes, lambda _: cap))
 
 
 def bucket_runs(
