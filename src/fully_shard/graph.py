@@ -653,6 +653,8 @@ def _region_body(
             for mod, name in p.slots:
                 mod.__dict__[name] = full
                 shown.append((mod, name))
+    # The block's own copy of each tensor argument (see _register_region_input).
+    rest = tuple(map(_owned, rest))
     output = module.forward(*rest[:n_args], **dict(zip(names, rest[n_args:], strict=True)))
     for mod, name in shown:
         del mod.__dict__[name]
@@ -662,11 +664,46 @@ def _region_body(
 _block_region = compile_region(_region_body, _region_reuse_key)
 
 
+def _owned(x: Any) -> Any:
+    return torch.ops.fully_shard.region_input(x) if isinstance(x, torch.Tensor) else x
+
+
+@functools.cache
+def _register_region_input() -> None:
+    """``fully_shard::region_input``: a copy that AOTAutograd's partitioner saves rather than
+    recomputes (it recomputes no op it does not know), so that a region never saves, for its
+    backward, a view of a tensor its caller passed in.
+
+    Why: inductor lowers a region's outputs as fresh buffers of the calling graph, unaware
+    that one may alias an input; a block that saves its input (``x.view(...)`` for a matmul)
+    returns such an alias, and the calling graph then reuses the input's buffer for later
+    work, overwriting what the block's backward reads (torch 2.13.0 and 2.14.1, inductor:
+    the second block's weight gradients wrong, 2e-2 apart after one AdamW step; exact with
+    ``allow_buffer_reuse=False``). The copy costs one pass over each activation a block
+    takes, in forward and in backward (its backward copies the gradient, for the same reason
+    in the backward graph). Registered once, when the first region is traced (not at import).
+    """
+
+    @torch.library.custom_op("fully_shard::region_input", mutates_args=())
+    def region_input(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @region_input.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fully_shard.region_input(grad)  # type: ignore[no-any-return]
+
+    region_input.register_autograd(backward)
+
+
 @assume_constant_result
 def _in_regions(state: FSDPState, enabled: bool) -> bool:
     """Whether ``state``'s block may run as a region (the facts that do not change per call;
     ``enabled``, its ``compile_region`` option, is passed so that dynamo guards on it)."""
     module = state.modules[0]
+    _register_region_input()
     return (
         enabled
         and has_compile_regions()
