@@ -162,7 +162,7 @@ def _timed(fn: Any) -> float:
 
 
 def _rank_main(rank: int, cfg: Config, port: int, out_path: str) -> None:
-    job = init_rank(rank, cfg.world, "cpu", "gloo", port, timedelta(minutes=30))
+    job = init_rank(rank, cfg.world, "cpu", "gloo", port, timedelta(minutes=30))  # C++
     counts = {"graphs": 0, "region_calls": 0, "region_bodies": 0}
     batches = _batches(cfg, rank, cfg.steps + 1)
     model, optim = build(cfg, cfg.impl, job.mesh, counts)

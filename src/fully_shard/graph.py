@@ -36,6 +36,13 @@ which runs the module's forward hooks with ``fully_shard``'s replaced by
 runs the eager hooks, unchanged. The per-block orders that compile ``_call_impl`` or a module
 before sharding never trace that call, so they keep the eager hooks.
 
+Each sharded block called inside the traced root forward is a nested compile region
+(``torch.compiler.nested_compile_region``): its gather, its forward and its reduction are
+traced and compiled once per block structure and called again for every block of that
+structure (:func:`_region_call`; what makes a structure: :mod:`fully_shard.regions`), so the
+first step's compilation grows little with the depth. ``set_compile_region(False)`` traces a
+block inline instead.
+
 Python facts (the options, the layouts, the process groups) are read once, when dynamo
 traces, by functions it calls as constants (:func:`_plan_for`); dynamo guards on the options
 they depend on, so ``set_requires_gradient_sync`` and the other setters recompile once per
