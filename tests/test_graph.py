@@ -614,6 +614,9 @@ def _train_with_passes(recipe: str) -> dict[str, Any]:
     model = _Net(checkpointed=False)
     reference = copy.deepcopy(model)
     _shard(model, mesh_1d(), reshard_after_forward=True)
+    # The passes move and merge collectives across blocks, within one graph: each block in a
+    # region of its own would keep its collectives to itself (docs/recipes/compile.md).
+    model.set_compile_region(False)  # type: ignore[operator]
     # Cache off: a graph found in inductor's cache is not generated again, so its code would
     # not reach run_and_get_code.
     options = {**RECIPES[recipe], "fx_graph_cache": False}
