@@ -710,8 +710,7 @@ def _in_regions(state: FSDPState, enabled: bool) -> bool:
     """Whether ``state``'s block may run as a region (the facts that do not change per call;
     ``enabled``, its ``compile_region`` option, is passed so that dynamo guards on it)."""
     module = state.modules[0]
-    _register_region_input()
-    return (
+    regional = (
         enabled
         and has_compile_regions()
         and len(state.modules) == 1
@@ -720,6 +719,9 @@ def _in_regions(state: FSDPState, enabled: bool) -> bool:
         and all(p.tp is None for g in state.groups for p in g.params)
         and not any("_fsdp_state" in vars(m) for m in module.modules() if m is not module)
     )
+    if regional:
+        _register_region_input()  # before the first region is traced
+    return regional
 
 
 @assume_constant_result
