@@ -129,11 +129,12 @@ def soak(session: nox.Session) -> None:
     # resumable examples under torchrun (its agent restarting the killed ranks)
     env["FULLY_SHARD_LAUNCHERS"] = "pool,fresh"
     tests = ("tests/test_soak.py", "tests/test_stateful.py", "tests/test_properties.py")
-    # test_compile.py and test_graph.py (the whole model in one graph) with inductor too
+    # test_compile.py, test_graph.py and test_regions.py (the whole model in one graph, its
+    # blocks as compiled regions) with inductor too
     tests += ("tests/test_compile.py", "tests/test_graph.py", "tests/test_plan.py")
     tests += ("tests/test_bench.py", "tests/test_demo.py", "tests/test_example_2d.py")
     tests += ("tests/test_resume.py", "tests/test_parity.py", "tests/test_pipelining.py")
     tests += ("tests/test_3d.py", "tests/test_multinode.py", "tests/test_dp_mesh_dims.py")
     tests += ("tests/test_reshard_int.py", "tests/test_titan_meshes.py")
-    tests += ("tests/test_torchtitan.py",)
+    tests += ("tests/test_torchtitan.py", "tests/test_regions.py")
     session.run("pytest", *WORKERS, *tests, *session.posargs, env=env)

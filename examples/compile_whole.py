@@ -54,18 +54,30 @@ class KeepGraphs:
 
 
 def collectives(gm: torch.fx.GraphModule) -> str:
-    """``'3 all_gather_into_tensor (torch.float32)'``, ... for one graph."""
+    """``'3 all_gather_into_tensor (torch.float32)'``, ... for one graph; a block compiled as a
+    region (``invoke_subgraph``, one compiled body per block structure) counts its body's
+    collectives at each of its calls."""
+    seen = _count(gm)
+    return ", ".join(f"{n} {what}" for what, n in sorted(seen.items())) or "none"
+
+
+def _count(gm: torch.fx.GraphModule) -> collections.Counter[str]:
     seen: collections.Counter[str] = collections.Counter()
     for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.higher_order.invoke_subgraph:
+            seen.update(_count(getattr(gm, node.args[0].target)))
+            continue
         name = getattr(node.target, "__name__", "")
-        if node.op == "call_function" and name.split(".")[0] in (
+        if name.split(".")[0] in (
             "all_gather_into_tensor",
             "reduce_scatter_tensor",
             "all_to_all_single",  # the reduce-scatter on gloo
             "all_reduce",
         ):
             seen[f"{name.split('.')[0]} ({node.args[0].meta['val'].dtype})"] += 1
-    return ", ".join(f"{n} {what}" for what, n in sorted(seen.items())) or "none"
+    return seen
 
 
 def main() -> None:

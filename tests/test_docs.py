@@ -197,6 +197,10 @@ INHERENTLY_CPU = {
         'init_rank(rank, world, "cpu", "gloo", port, timedelta(minutes=5))  # gloo\'s, by design',
     ): "it measures gloo's collectives against TorchComm's on gloo",
     (
+        "bench_compile.py",
+        'job = init_rank(rank, cfg.world, "cpu", "gloo", port, timedelta(minutes=30))  # C++',
+    ): "it times inductor's CPU code generation (the C++ builds): compile times on CPU",
+    (
         "bench_overhead.py",
         'job = init_rank(rank, opts.world, "cpu", "gloo", port, timedelta(minutes=10))  # host',
     ): "it measures the host's Python per group (calls counted on CPU tensors, gloo)",

@@ -197,21 +197,23 @@ def _collectives(
 ) -> list[tuple[str, torch.dtype]]:
     """The collectives of ``gm`` in order: over process group ``group`` only, or over every
     group but ``besides``, if given. On gloo the graph reduce-scatters with an all-to-all
-    (graph.py's ``_reduce``)."""
+    (graph.py's ``_reduce``). A compiled region (a block's ``invoke_subgraph``) counts its
+    body's collectives at each call."""
     names = {
         _OPS.all_gather_into_tensor.default: "all_gather",
         _OPS.reduce_scatter_tensor.default: "reduce_scatter",
         _OPS.all_to_all_single.default: "all_to_all",
         _OPS.all_reduce.default: "all_reduce",
     }
-    return [
-        (names[n.target], n.args[0].meta["val"].dtype)
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and n.target in names
-        and group in (None, n.args[-1])
-        and n.args[-1] != besides
-    ]
+    found: list[tuple[str, torch.dtype]] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.higher_order.invoke_subgraph:
+            found += _collectives(getattr(gm, n.args[0].target), group, besides=besides)
+        elif n.target in names and group in (None, n.args[-1]) and n.args[-1] != besides:
+            found.append((names[n.target], n.args[0].meta["val"].dtype))
+    return found
 
 
 def _shard(model: _Net, mesh: Any, **options: Any) -> None:
@@ -612,6 +614,9 @@ def _train_with_passes(recipe: str) -> dict[str, Any]:
     model = _Net(checkpointed=False)
     reference = copy.deepcopy(model)
     _shard(model, mesh_1d(), reshard_after_forward=True)
+    # The passes move and merge collectives across blocks, within one graph: each block in a
+    # region of its own would keep its collectives to itself (docs/recipes/compile.md).
+    model.set_compile_region(False)  # type: ignore[operator]
     # Cache off: a graph found in inductor's cache is not generated again, so its code would
     # not reach run_and_get_code.
     options = {**RECIPES[recipe], "fx_graph_cache": False}

@@ -566,3 +566,33 @@ def has_backward_or_global_hooks(module: torch.nn.Module) -> bool:
     return bool(
         module._backward_hooks or module._backward_pre_hooks or nn_module._has_any_global_hook()  # type: ignore[no-untyped-call]
     )
+
+
+def compile_region(fn: Callable[..., Any], reuse_key: Callable[..., int]) -> Callable[..., Any]:
+    """``fn`` as a nested compile region: traced once per ``reuse_key`` value, called again.
+
+    The graph path puts each sharded block's call (its gather, its forward and, through the
+    gather's backward, its reduce-scatter) in one region, so that dynamo traces and inductor
+    compiles a repeated block once (``fully_shard.graph``). ``reuse_key`` is traced with the
+    call's arguments and returns an int; a call whose key was seen before in the same trace
+    reuses that region without tracing ``fn`` (torch's guard-based reuse refuses a region with
+    side effects, and the block is shown its gathered tensors through its ``__dict__``).
+    ``torch.compiler.nested_compile_region`` is public, its ``reuse_hash_fn`` and
+    ``max_reuse_entries`` arguments are new: present in 2.13.0 and 2.14.1. Where they are
+    missing (2.6.0 has no regions), ``fn`` is returned as it is and the blocks are traced
+    inline. Outside a compiled frame the region calls ``fn``.
+    """
+    if not has_compile_regions():
+        return fn
+    # One entry per distinct block structure in a traced step; torch raises past the limit
+    # (default 8), which a model with many kinds of blocks could reach.
+    region = torch.compiler.nested_compile_region
+    return region(fn, reuse_hash_fn=reuse_key, max_reuse_entries=1 << 16)  # type: ignore[no-any-return]
+
+
+def has_compile_regions() -> bool:
+    """Whether :func:`compile_region` makes regions on this torch (2.13.0, 2.14.1: yes)."""
+    import inspect
+
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region is not None and "reuse_hash_fn" in inspect.signature(region).parameters

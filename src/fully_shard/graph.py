@@ -36,6 +36,13 @@ which runs the module's forward hooks with ``fully_shard``'s replaced by
 runs the eager hooks, unchanged. The per-block orders that compile ``_call_impl`` or a module
 before sharding never trace that call, so they keep the eager hooks.
 
+Each sharded block called inside the traced root forward is a nested compile region
+(``torch.compiler.nested_compile_region``): its gather, its forward and its reduction are
+traced and compiled once per block structure and called again for every block of that
+structure (:func:`_region_call`; what makes a structure: :mod:`fully_shard.regions`), so the
+first step's compilation grows little with the depth. ``set_compile_region(False)`` traces a
+block inline instead.
+
 Python facts (the options, the layouts, the process groups) are read once, when dynamo
 traces, by functions it calls as constants (:func:`_plan_for`); dynamo guards on the options
 they depend on, so ``set_requires_gradient_sync`` and the other setters recompile once per
@@ -51,6 +58,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,12 +70,14 @@ from torch.utils.checkpoint import checkpoint
 
 from ._compat import (
     assume_constant_result,
+    compile_region,
     forward_hooks,
     funcol_all_gather,
     funcol_all_reduce,
     funcol_all_to_all,
     funcol_reduce_scatter,
     has_backward_or_global_hooks,
+    has_compile_regions,
 )
 
 # What the graph path takes from the eager engine's communication module, in one place (the
@@ -78,6 +88,7 @@ from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .observer import JOB_WIDE, ProfilerLabels
 from .policies import OffloadPolicy
 from .quantize import PLAIN
+from .regions import block_structure
 from .storage import DenseStorage, WholeShard
 
 if TYPE_CHECKING:
@@ -435,24 +446,42 @@ def _local(p: Any) -> torch.Tensor:
     return sharded.to_local() if isinstance(sharded, DTensor) else sharded
 
 
-def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
+def _plan_of(group: ParamGroup) -> _GatherPlan:
     config = group.config
-    plan = _plan_for(
+    return _plan_for(  # type: ignore[no-any-return]
         group,
         *[getattr(config, name) for name in _CONFIG_FIELDS],
         group.comm,
         len(group.observers),
         len(JOB_WIDE.observers),
     )
-    shards = [_local(p) for p in group.params]
+
+
+def _extra_of(group: ParamGroup, plan: _GatherPlan) -> torch.Tensor | None:
+    """The gather's ``extra`` input (see :class:`_GatherGroup`)."""
     acc = group.graph_grads
-    extra: torch.Tensor | None = None
     if not plan.sync:
-        extra = acc
-    elif acc is not None and acc.grad is not None:
+        return acc
+    if acc is not None and acc.grad is not None:
         # The sums of the unsynced passes go into this reduction; the accumulator starts over.
         extra = acc.grad
         acc.grad = None
+        return extra
+    return None
+
+
+def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
+    plan = _plan_of(group)
+    shards = tuple(_local(p) for p in group.params)
+    return _gather_shards(plan, _extra_of(group, plan), shards, reshard)
+
+
+def _gather_shards(
+    plan: _GatherPlan,
+    extra: torch.Tensor | None,
+    shards: tuple[torch.Tensor, ...],
+    reshard: bool,
+) -> tuple[torch.Tensor, ...]:
     gather = functools.partial(_GatherGroup.apply, plan)
     if not reshard or not plan.unshard_in_backward:
         # Kept: saved like any activation, what backward uses of it. unshard_in_backward=False
@@ -517,6 +546,188 @@ def graph_post_forward(state: FSDPState, module: nn.Module, output: Any) -> Any:
             mod.__dict__.pop(name, None)
         ctx.graph_run = None
     return state._cast_output(output)
+
+
+# -- one compiled region per block structure ----------------------------------------------------
+#
+# A block called inside the traced root forward (not the root, not a block compiled on its
+# own) runs as a nested compile region: its gather, its forward and, through the gather's
+# backward, its reduction are traced once per block structure and called again for every
+# block of the same structure, so dynamo, AOTAutograd and inductor handle one block instead
+# of all of them. The region's key (:func:`_region_key`) stands in for torch's guards: the
+# block's structure (:func:`fully_shard.regions.block_structure`), its groups' gather plans
+# and the inputs' metadata. Anything the key cannot vouch for (an input that is not a tensor
+# or a plain value, a tensor subclass or a symbolic size, hooks besides ours, a sharded module
+# inside the block, tensor-parallel parameters) keeps the block inline, as before.
+
+
+def _region_reuse_key(key: int, *rest: Any) -> int:
+    """What torch compares to reuse a region, in place of guards: the key computed outside it
+    (:func:`_region_key`) and passed first."""
+    return key
+
+
+def _region_body(
+    key: int, module: nn.Module, reshard: bool, n_args: int, n_kwargs: int, *flat: Any
+) -> Any:
+    """One block's call: gather its groups, show the module the gathered tensors, forward.
+
+    Traced once per ``key``. The arguments come flat (torch's reuse check flattens anything
+    else with a traced pytree, which costs more than the rest of the call): the keyword
+    names, each gathering group's ``extra``, every group's shards, the positional arguments,
+    the keyword values. The gathered tensors leave the module's ``__dict__`` before the region
+    ends, so a reused region leaves nothing behind that the trace would have to replay.
+    """
+    state: FSDPState = module._fsdp_state  # type: ignore[assignment]
+    groups = [g for g in state.groups if g.params]
+    names, rest = flat[:n_kwargs], flat[n_kwargs:]
+    extras, rest = rest[: len(groups)], rest[len(groups) :]
+    shown: list[tuple[nn.Module, str]] = []
+    for group, extra in zip(groups, extras, strict=True):
+        shards, rest = rest[: len(group.params)], rest[len(group.params) :]
+        fulls = _gather_shards(_plan_of(group), extra, shards, reshard)
+        for p, full in zip(group.params, fulls, strict=True):
+            for mod, name in p.slots:
+                mod.__dict__[name] = full
+                shown.append((mod, name))
+    # The block's own copy of each tensor argument (see _register_region_input).
+    rest = tuple(map(_owned, rest))
+    output = module.forward(*rest[:n_args], **dict(zip(names, rest[n_args:], strict=True)))
+    for mod, name in shown:
+        del mod.__dict__[name]
+    return output
+
+
+_block_region = compile_region(_region_body, _region_reuse_key)
+
+
+def _owned(x: Any) -> Any:
+    return torch.ops.fully_shard.region_input(x) if isinstance(x, torch.Tensor) else x
+
+
+@functools.cache
+def _register_region_input() -> None:
+    """``fully_shard::region_input``: a copy that AOTAutograd's partitioner saves rather than
+    recomputes (it recomputes no op it does not know), so that a region never saves, for its
+    backward, a view of a tensor its caller passed in.
+
+    Why: inductor lowers a region's outputs as fresh buffers of the calling graph, unaware
+    that one may alias an input; a block that saves its input (``x.view(...)`` for a matmul)
+    returns such an alias, and the calling graph then reuses the input's buffer for later
+    work, overwriting what the block's backward reads (torch 2.13.0 and 2.14.1, inductor:
+    the second block's weight gradients wrong, 2e-2 apart after one AdamW step; exact with
+    ``allow_buffer_reuse=False``). The copy costs one pass over each activation a block
+    takes, in forward and in backward (its backward copies the gradient, for the same reason
+    in the backward graph). Registered once, when the first region is traced (not at import).
+    """
+
+    @torch.library.custom_op("fully_shard::region_input", mutates_args=())
+    def region_input(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @region_input.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fully_shard.region_input(grad)  # type: ignore[no-any-return]
+
+    region_input.register_autograd(backward)
+
+
+@assume_constant_result
+def _in_regions(state: FSDPState, enabled: bool) -> bool:
+    """Whether ``state``'s block may run as a region (the facts that do not change per call;
+    ``enabled``, its ``compile_region`` option, is passed so that dynamo guards on it)."""
+    module = state.modules[0]
+    regional = (
+        enabled
+        and has_compile_regions()
+        and len(state.modules) == 1
+        and not state.is_root
+        and any(g.params for g in state.groups)
+        and all(p.tp is None for g in state.groups for p in g.params)
+        and not any("_fsdp_state" in vars(m) for m in module.modules() if m is not module)
+    )
+    if regional:
+        _register_region_input()  # before the first region is traced
+    return regional
+
+
+@assume_constant_result
+def _region_key(state: FSDPState, reshard: bool, inputs: tuple[Any, ...]) -> int:
+    """The region's key: equal for two calls that trace to the same region.
+
+    ``inputs``: the metadata of the call's own arguments (:func:`_input_meta`) and the keyword
+    names. The rest is read here, once per call while dynamo traces: the block's structure, its
+    groups' gather plans (without their labels) and what the gather takes as inputs: which
+    ``extra`` (none, the accumulator or its gradient, as :func:`_extra_of` picks) and the
+    shards' metadata.
+    """
+    gathers = []
+    for group in state.groups:
+        if not group.params:
+            continue
+        plan = gather_plan(group)
+        acc = group.graph_grads
+        kept = acc is not None and acc.grad is not None
+        extra = "acc" if not plan.sync else "grad" if kept else None
+        shards = tuple(
+            (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+            for t in (_local(p) for p in group.params)
+        )
+        gathers.append((dataclasses.replace(plan, label=""), extra, shards))
+    return hash((block_structure(state.modules[0]), tuple(gathers), reshard, inputs))
+
+
+def _input_meta(x: Any) -> Any:
+    """What the region's trace assumes about one argument, or ``False`` if the key cannot hold
+    it (a tensor subclass, a symbolic size, an object). Loop-free: each loop dynamo traces
+    costs it an exception at its end, per block."""
+    if isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor or type(x.numel()) is not int:  # a subclass, symbolic
+            return False
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    if x is None or type(x) in (bool, int, float, str):
+        return (type(x), x)
+    return False
+
+
+def _inside_run(state: FSDPState) -> bool:
+    """Whether ``state``'s module is called inside another module's traced forward, its groups
+    not gathered yet in it."""
+    ctx = state.root
+    run = None if ctx is None else ctx.graph_run
+    return run is not None and run.owner != id(state) and id(state) not in run.gathered
+
+
+def _region_call(
+    module: nn.Module, state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
+    """``(True, output)`` of ``module``'s call as a region, or ``(False, None)`` to run it
+    inline. Reads each group's plan here too, so that dynamo guards on every block's options
+    (the region's own guards are those of the block first traced)."""
+    args, kwargs = state._cast_inputs(args, kwargs)
+    user = (*args, *kwargs.values())
+    metas = tuple(map(_input_meta, user))
+    if False in metas:
+        return False, None
+    # The gather's inputs: each group's extra, then its shards (their metadata is read off the
+    # parameters by _region_key, which also reads each group's plan).
+    extras: list[torch.Tensor | None] = []
+    shards: list[torch.Tensor] = []
+    for group in state.groups:
+        if group.params:
+            extras.append(_extra_of(group, _plan_of(group)))
+            shards.extend(map(_local, group.params))
+    reshard = state.reshard_after_forward
+    names = tuple(kwargs)
+    # int(): a plain constant (what dynamo keeps for the constant function's result has a
+    # source that torch's reuse check cannot guard on).
+    key = int(_region_key(state, reshard, (*metas, *names)))
+    flat = (*names, *extras, *shards, *user)
+    output = _block_region(key, module, reshard, len(args), len(names), *flat)
+    return True, state._cast_output(output)
 
 
 # The releases the graph path has run on start here (2.13.0, 2.14.1). On 2.6.0 dynamo cannot
@@ -601,6 +812,17 @@ def graph_call(
             "block)"
         )
     pre_hooks, post_hooks = forward_hooks(module)
+    if (
+        len(pre_hooks) == 1
+        and len(post_hooks) == 1
+        and _is_ours(state, pre_hooks[0][0])
+        and _is_ours(state, post_hooks[0][0])
+        and _inside_run(state)
+        and _in_regions(state, state.config.compile_region)
+    ):
+        done, output = _region_call(module, state, args, kwargs)
+        if done:
+            return output
     for hook_id, hook, with_kwargs in pre_hooks:
         if _is_ours(state, hook_id):
             args, kwargs = graph_pre_forward(state, module, args, kwargs)

@@ -131,6 +131,9 @@ class GroupConfig:
             unsharded storage allocated, so every unshard writes into the same addresses
             (CUDA graphs replaying a captured step need them); costs the group's unsharded
             bytes for as long as it is set.
+        compile_region: when the whole model is compiled (the graph path), trace this
+            group's module as a nested compile region, once per block structure and called
+            again for the others (``fully_shard.graph``); ``False`` traces it inline.
     """
 
     reshard_after_forward: bool | None = None
@@ -153,6 +156,7 @@ class GroupConfig:
     allocate_from_process_group: bool = False
     symm_mem_backend: str | None = None
     keep_unsharded_storage: bool = False
+    compile_region: bool = True
 
 
 @dataclass

@@ -368,6 +368,25 @@ class FSDPModule(nn.Module):
         flag = _check_bool("set_keep_unsharded_storage(enabled)", enabled)
         self._update_config(True, keep_unsharded_storage=flag)
 
+    def set_compile_region(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether ``torch.compile`` of the whole model traces this module (and, with
+        ``recurse``, every sharded module below it) as a nested compile region (default on).
+
+        On the graph path (``torch.compile(model, fullgraph=True)`` of the sharded model) each
+        sharded block called from the root's forward is a region holding its all-gather, its
+        forward and its reduce-scatter, traced and compiled once per block structure and
+        called again for every block of that structure: the first step's compilation stays
+        nearly flat in the depth. ``False`` traces the module inline, each block anew, as
+        before regions (the step compiles longer; the compiled step is the same computation).
+        Changing it recompiles once. No effect eagerly or on the per-block compile orders.
+
+        Example:
+            >>> model.set_compile_region(False)  # doctest: +SKIP
+            >>> compiled = torch.compile(model, fullgraph=True)  # blocks inline  # doctest: +SKIP
+        """
+        flag = _check_bool("set_compile_region(enabled)", enabled)
+        self._update_config(_check_bool("recurse", recurse), compile_region=flag)
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather ``modules`` (asynchronously) as soon as this module's forward starts.
 
