@@ -709,6 +709,7 @@ def _walk_config_fields() -> dict[str, str]:
         "allocate_from_process_group": True,
         "symm_mem_backend": "NCCL",
         "keep_unsharded_storage": True,
+        "compile_region": False,
     }
     before = describe(group.params, group.info, base)
     seen = {}

@@ -58,7 +58,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -395,6 +394,7 @@ CONFIG_FIELDS: dict[str, str] = {
     "allocate_from_process_group": "no effect",  # who allocates eager's buffers
     "symm_mem_backend": "no effect",  # recorded
     "keep_unsharded_storage": "refused",
+    "compile_region": "honoured",  # the graph path's own: a block traced as a region or inline
 }
 
 # The fields the traced graph depends on, passed to _plan_for one by one so that dynamo guards
@@ -446,7 +446,7 @@ def _local(p: Any) -> torch.Tensor:
     return sharded.to_local() if isinstance(sharded, DTensor) else sharded
 
 
-def _plan_of(group: ParamGroup) -> _GatherPlan:
+def _plan_of(group: ParamGroup) -> GroupDescription:
     config = group.config
     return _plan_for(  # type: ignore[no-any-return]
         group,
@@ -457,7 +457,7 @@ def _plan_of(group: ParamGroup) -> _GatherPlan:
     )
 
 
-def _extra_of(group: ParamGroup, plan: _GatherPlan) -> torch.Tensor | None:
+def _extra_of(group: ParamGroup, plan: GroupDescription) -> torch.Tensor | None:
     """The gather's ``extra`` input (see :class:`_GatherGroup`)."""
     acc = group.graph_grads
     if not plan.sync:
@@ -477,7 +477,7 @@ def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
 
 
 def _gather_shards(
-    plan: _GatherPlan,
+    plan: GroupDescription,
     extra: torch.Tensor | None,
     shards: tuple[torch.Tensor, ...],
     reshard: bool,
@@ -660,7 +660,7 @@ def _region_key(state: FSDPState, reshard: bool, inputs: tuple[Any, ...]) -> int
 
     ``inputs``: the metadata of the call's own arguments (:func:`_input_meta`) and the keyword
     names. The rest is read here, once per call while dynamo traces: the block's structure, its
-    groups' gather plans (without their labels) and what the gather takes as inputs: which
+    groups' descriptions and what the gather takes as inputs: which
     ``extra`` (none, the accumulator or its gradient, as :func:`_extra_of` picks) and the
     shards' metadata.
     """
@@ -668,7 +668,7 @@ def _region_key(state: FSDPState, reshard: bool, inputs: tuple[Any, ...]) -> int
     for group in state.groups:
         if not group.params:
             continue
-        plan = gather_plan(group)
+        plan = group.description  # pure: the accumulator is _plan_for's
         acc = group.graph_grads
         kept = acc is not None and acc.grad is not None
         extra = "acc" if not plan.sync else "grad" if kept else None
@@ -676,7 +676,7 @@ def _region_key(state: FSDPState, reshard: bool, inputs: tuple[Any, ...]) -> int
             (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
             for t in (_local(p) for p in group.params)
         )
-        gathers.append((dataclasses.replace(plan, label=""), extra, shards))
+        gathers.append((plan, extra, shards))
     return hash((block_structure(state.modules[0]), tuple(gathers), reshard, inputs))
 
 
