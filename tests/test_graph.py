@@ -161,15 +161,16 @@ def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Graphs:
-    """A backend that compiles as ``backend`` and keeps every forward / backward graph."""
+    """A backend that compiles as ``backend`` and keeps what dynamo traced (``dynamo``, one
+    graph per frame) and every forward / backward graph (test_regions uses it too)."""
 
     def __init__(self, backend: str) -> None:
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
+        self.dynamo: list[torch.fx.GraphModule] = []
         self.fw: list[torch.fx.GraphModule] = []
         self.bw: list[torch.fx.GraphModule] = []
-        self.frames = 0
 
         def keep(into: list[torch.fx.GraphModule]) -> Any:
             def compiler(gm: torch.fx.GraphModule, example: Any) -> Any:
@@ -185,8 +186,12 @@ class _Graphs:
         )
         self._backend = backend
 
+    @property
+    def frames(self) -> int:
+        return len(self.dynamo)
+
     def __call__(self, gm: torch.fx.GraphModule, example: Any) -> Any:
-        self.frames += 1
+        self.dynamo.append(gm)
         if self._backend == "inductor":
             return torch._inductor.compile(gm, example)  # type: ignore[attr-defined]
         return self._aot(gm, example)

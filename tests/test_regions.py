@@ -30,6 +30,7 @@ from fully_shard import fully_shard
 from fully_shard.regions import block_structure
 from harness import mesh_1d, run_distributed
 from parity import loss_fn, param_diffs
+from test_graph import _Graphs
 
 STEPS = 3
 BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
@@ -87,39 +88,6 @@ def _shard(model: _Stack, regions: bool = True) -> None:
         model.set_compile_region(False)  # type: ignore[operator]
 
 
-class _Kept:
-    """A backend that compiles as ``backend`` (AOTAutograd for ``aot_eager``) and keeps what
-    dynamo traced and the forward and backward graphs."""
-
-    def __init__(self, backend: str) -> None:
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-        from torch._dynamo.backends.common import aot_autograd
-
-        self.dynamo: list[torch.fx.GraphModule] = []
-        self.fw: list[torch.fx.GraphModule] = []
-        self.bw: list[torch.fx.GraphModule] = []
-
-        def keep(into: list[torch.fx.GraphModule]) -> Any:
-            def compiler(gm: torch.fx.GraphModule, example: Any) -> Any:
-                into.append(gm)
-                return make_boxed_func(gm.forward)
-
-            return compiler
-
-        self._aot = aot_autograd(
-            fw_compiler=keep(self.fw),
-            bw_compiler=keep(self.bw),
-            partition_fn=min_cut_rematerialization_partition,
-        )
-        self._backend = backend
-
-    def __call__(self, gm: torch.fx.GraphModule, example: Any) -> Any:
-        self.dynamo.append(gm)
-        if self._backend == "inductor":
-            return torch._inductor.compile(gm, example)  # type: ignore[attr-defined]
-        return self._aot(gm, example)
-
-
 def _regions(gm: torch.fx.GraphModule) -> Counter[str]:
     """How many times each region body is called in ``gm``."""
     return Counter(
@@ -158,7 +126,7 @@ def _train(backend: str, regions: bool) -> dict[str, Any]:
     reference, eager = copy.deepcopy(model), copy.deepcopy(model)
     _shard(model, regions)
     _shard(eager)
-    kept = _Kept(backend)
+    kept = _Graphs(backend)
     # Dynamo inlines a region called once; keep every region, so that each structure shows.
     with torch._dynamo.config.patch(inline_single_use_invoke_subgraph=False):
         run = torch.compile(model, backend=kept, fullgraph=True)
