@@ -69,6 +69,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._compat import (
     assume_constant_result,
+    cache_region_schemas,
     compile_region,
     forward_hooks,
     funcol_all_gather,
@@ -633,6 +634,7 @@ def _register_region_input() -> None:
         return torch.ops.fully_shard.region_input(grad)  # type: ignore[no-any-return]
 
     region_input.register_autograd(backward)
+    cache_region_schemas()
 
 
 @assume_constant_result
