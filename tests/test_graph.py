@@ -745,6 +745,24 @@ def test_every_config_field_is_described_refused_or_without_effect_on_the_graph(
     assert set(seen) == {f.name for f in __import__("dataclasses").fields(GroupConfig)}
 
 
+def test_the_guarded_fields_are_exactly_the_config_fields_the_graph_depends_on() -> None:
+    """``_guarded_fields`` (the config values dynamo guards on, written out so that tracing
+    them is cheap) reads each of ``_CONFIG_FIELDS`` and nothing else."""
+
+    class _Reads:
+        def __init__(self) -> None:
+            self.names: list[str] = []
+
+        def __getattr__(self, name: str) -> str:
+            self.names.append(name)
+            return name
+
+    reads = _Reads()
+    values = graph._guarded_fields(reads)  # type: ignore[arg-type]
+    assert sorted(reads.names) == sorted(graph._CONFIG_FIELDS)
+    assert len(values) == len(graph._CONFIG_FIELDS)
+
+
 class _SpyComm:
     """Records what the eager engine sends: (op, dtype, numel, the Reduction)."""
 

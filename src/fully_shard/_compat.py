@@ -16,7 +16,7 @@ gloo, the test suite; each entry says which releases it has run on):
 - torch 2.11.0 with CUDA (an H200, 2026-12-04, an earlier engine): the entries up to
   :func:`dtensor_from_spec`.
 - The graph path's entries (``funcol_*``, :func:`assume_constant_result`,
-  :func:`forward_hooks`, :func:`has_backward_or_global_hooks`) and
+  :func:`forward_hooks`, :func:`forward_hook_ids`, :func:`has_backward_or_global_hooks`) and
   :func:`torch_newton_schulz` (``fully_shard.Muon``) came later: run on 2.13.0 and 2.14.1;
   ``torch_newton_schulz`` falls back to our copy of the arithmetic where torch has no Muon.
 
@@ -556,6 +556,13 @@ def forward_hooks(
         (i, h, i in module._forward_hooks_with_kwargs) for i, h in module._forward_hooks.items()
     ]
     return pre, post
+
+
+def forward_hook_ids(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids of ``module``'s forward pre-hooks and forward hooks: what the graph path's
+    region check reads per block (two tuples of a dict's keys, which dynamo traces in a few
+    steps and guards as the dicts' keys; nn.Module's private dicts, 2.13.0 and 2.14.1)."""
+    return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
 
 
 def has_backward_or_global_hooks(module: torch.nn.Module) -> bool:

@@ -71,6 +71,7 @@ from ._compat import (
     assume_constant_result,
     cache_region_schemas,
     compile_region,
+    forward_hook_ids,
     forward_hooks,
     funcol_all_gather,
     funcol_all_reduce,
@@ -92,7 +93,7 @@ from .regions import block_structure
 from .storage import DenseStorage, WholeShard
 
 if TYPE_CHECKING:
-    from .group import ParamGroup
+    from .group import GroupConfig, ParamGroup
     from .hooks import FSDPState
     from .spmd import TPLayout
 
@@ -448,13 +449,35 @@ def _local(p: Any) -> torch.Tensor:
 
 
 def _plan_of(group: ParamGroup) -> GroupDescription:
-    config = group.config
     return _plan_for(  # type: ignore[no-any-return]
         group,
-        *[getattr(config, name) for name in _CONFIG_FIELDS],
+        *_guarded_fields(group.config),
         group.comm,
         len(group.observers),
         len(JOB_WIDE.observers),
+    )
+
+
+def _guarded_fields(config: GroupConfig) -> tuple[Any, ...]:
+    """The values of :data:`_CONFIG_FIELDS` (``tests/test_graph.py`` checks that it reads
+    exactly those), written out: dynamo traces a comprehension with ``getattr`` in about
+    seven steps a field and an exception at its end, per block; this takes two a field."""
+    return (
+        config.requires_gradient_sync,
+        config.quantization_policy,
+        config.offload_policy,
+        config.post_forward,
+        config.requires_all_reduce,
+        config.all_reduce_hook,
+        config.gradient_divide_factor,
+        config.force_sum_reduction_for_comms,
+        config.unshard_in_backward,
+        config.all_gather_comm,
+        config.reduce_scatter_comm,
+        config.reduce_scatter_unused_params,
+        config.reduce_scatter_group,
+        config.keep_unsharded_storage,
+        config.mp_policy,
     )
 
 
@@ -638,13 +661,22 @@ def _register_region_input() -> None:
 
 
 @assume_constant_result
-def _in_regions(state: FSDPState, enabled: bool) -> bool:
-    """Whether ``state``'s block may run as a region (the facts that do not change per call;
-    ``enabled``, its ``compile_region`` option, is passed so that dynamo guards on it)."""
+def _in_regions(
+    state: FSDPState, enabled: bool, pre_hooks: tuple[int, ...], post_hooks: tuple[int, ...]
+) -> bool:
+    """Whether ``state``'s block may run as a region: the facts that do not change per call,
+    in one constant call per block. ``enabled`` (its ``compile_region`` option) and the ids of
+    the module's forward hooks (it has only ``fully_shard``'s two) are passed so that dynamo
+    guards on them."""
     module = state.modules[0]
+    ours = {handle.id for handle in state._module_hooks}
     regional = (
         enabled
         and has_compile_regions()
+        and len(pre_hooks) == 1
+        and len(post_hooks) == 1
+        and pre_hooks[0] in ours
+        and post_hooks[0] in ours
         and len(state.modules) == 1
         and not state.is_root
         and any(g.params for g in state.groups)
@@ -704,12 +736,20 @@ def _inside_run(state: FSDPState) -> bool:
 
 
 def _region_call(
-    module: nn.Module, state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module,
+    state: FSDPState,
+    config: GroupConfig,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> tuple[bool, Any]:
     """``(True, output)`` of ``module``'s call as a region, or ``(False, None)`` to run it
     inline. Reads each group's plan here too, so that dynamo guards on every block's options
-    (the region's own guards are those of the block first traced)."""
-    args, kwargs = state._cast_inputs(args, kwargs)
+    (the region's own guards are those of the block first traced). ``config``: the state's
+    (its groups share one); what runs here is traced once per block, so it reads each fact
+    once and loops little (each loop dynamo traces ends in an exception it handles)."""
+    policy = config.mp_policy
+    if policy.forward_input_dtype() is not None:
+        args, kwargs = state._cast_inputs(args, kwargs)
     user = (*args, *kwargs.values())
     metas = tuple(map(_input_meta, user))
     if False in metas:
@@ -729,7 +769,7 @@ def _region_call(
     key = int(_region_key(state, reshard, (*metas, *names)))
     flat = (*names, *extras, *shards, *user)
     output = _block_region(key, module, reshard, len(args), len(names), *flat)
-    return True, state._cast_output(output)
+    return True, output if policy.output_dtype is None else state._cast_output(output)
 
 
 # The releases the graph path has run on start here (2.13.0, 2.14.1). On 2.6.0 dynamo cannot
@@ -813,18 +853,12 @@ def graph_call(
             "Remove them, or compile each block instead (torch.compile(block) per fully_shard "
             "block)"
         )
-    pre_hooks, post_hooks = forward_hooks(module)
-    if (
-        len(pre_hooks) == 1
-        and len(post_hooks) == 1
-        and _is_ours(state, pre_hooks[0][0])
-        and _is_ours(state, post_hooks[0][0])
-        and _inside_run(state)
-        and _in_regions(state, state.config.compile_region)
-    ):
-        done, output = _region_call(module, state, args, kwargs)
+    config = state.groups[0].config
+    if _inside_run(state) and _in_regions(state, config.compile_region, *forward_hook_ids(module)):
+        done, output = _region_call(module, state, config, args, kwargs)
         if done:
             return output
+    pre_hooks, post_hooks = forward_hooks(module)
     for hook_id, hook, with_kwargs in pre_hooks:
         if _is_ours(state, hook_id):
             args, kwargs = graph_pre_forward(state, module, args, kwargs)
