@@ -216,6 +216,67 @@ def test_second_instance_reuses_the_first_ones_compiled_code() -> None:
     assert r["hits"][0] == 0 and r["hits"][1] >= 2, r  # forward and backward found again
 
 
+class _Saving(nn.Module):
+    """``tanh(lin(x))``: saves a view of its input (for the weight's gradient) and its own
+    output (for tanh's), the two tensors a region's caller must not overwrite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _Between(nn.Module):
+    """Blocks with the caller's own work between them, before and after each call: the
+    caller's buffers that inductor may reuse while a block's backward still needs them."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(_Saving() for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h * 2.0 + 1.0) * 0.5 + h
+        return h
+
+
+def _grads_between(backend: str) -> dict[str, Any]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Between()
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d())
+    kept = _Graphs(backend)
+    x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
+    rank = torch.distributed.get_rank()
+    torch.compile(model, backend=kept, fullgraph=True)(x[2 * rank : 2 * rank + 2]).sum().backward()
+    (reference(x).sum() / 2).backward()  # the mean of the two ranks' sums
+    return {
+        "grads": [
+            (p.grad.full_tensor() - q.grad).abs().max().item()  # type: ignore[union-attr]
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ],
+        "regions": [sorted(_regions(g).values()) for g in kept.dynamo],
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_region_keeps_what_its_backward_reads_from_the_caller(backend: str) -> None:
+    """A block that saves a view of its input and its own output, with the caller computing
+    on both sides of each call: exact gradients (inductor, torch 2.13.0, without the region's
+    copies of its outputs: 1 to 4 apart, its caller computing in place on a returned tensor
+    that the region had also saved; ``nox -s soak`` runs it with inductor)."""
+    for r in run_distributed(functools.partial(_grads_between, backend), 2, timeout=300):
+        assert r["regions"] == [[3]], r["regions"]  # one region, called by the three blocks
+        assert max(r["grads"]) < 1e-5, r["grads"]
+
+
 # -- the structure key, without compiling ---------------------------------------------------------
 
 

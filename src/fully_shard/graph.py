@@ -619,7 +619,7 @@ def _region_body(
     output = module.forward(*rest[:n_args], **dict(zip(names, rest[n_args:], strict=True)))
     for mod, name in shown:
         del mod.__dict__[name]
-    return output
+    return _owned_output(output)
 
 
 _block_region = compile_region(_region_body, _region_reuse_key)
@@ -629,20 +629,38 @@ def _owned(x: Any) -> Any:
     return torch.ops.fully_shard.region_input(x) if isinstance(x, torch.Tensor) else x
 
 
+def _owned_output(output: Any) -> Any:
+    """The block's output as tensors of its own (see :func:`_register_region_input`): a
+    tensor, or a tuple, list or dict of them (a region's outputs are tensors or plain values;
+    other containers are returned as they are)."""
+    if isinstance(output, torch.Tensor):
+        return _owned(output)
+    if isinstance(output, (tuple, list)):
+        return type(output)(map(_owned, output))
+    if isinstance(output, dict):
+        return {k: _owned(v) for k, v in output.items()}
+    return output
+
+
 @functools.cache
 def _register_region_input() -> None:
     """``fully_shard::region_input``: a copy that AOTAutograd's partitioner saves rather than
-    recomputes (it recomputes no op it does not know), so that a region never saves, for its
-    backward, a view of a tensor its caller passed in.
+    recomputes (it recomputes no op it does not know), taken of each tensor a region receives
+    and of each tensor it returns, so that a region's caller never holds a buffer the region's
+    backward reads.
 
     Why: inductor lowers a region's outputs as fresh buffers of the calling graph, unaware
-    that one may alias an input; a block that saves its input (``x.view(...)`` for a matmul)
-    returns such an alias, and the calling graph then reuses the input's buffer for later
-    work, overwriting what the block's backward reads (torch 2.13.0 and 2.14.1, inductor:
-    the second block's weight gradients wrong, 2e-2 apart after one AdamW step; exact with
-    ``allow_buffer_reuse=False``). The copy costs one pass over each activation a block
-    takes, in forward and in backward (its backward copies the gradient, for the same reason
-    in the backward graph). Registered once, when the first region is traced (not at import).
+    that one may alias an input or another output, and reuses the caller's buffers
+    accordingly (torch 2.13.0 and 2.14.1). Two ways a block's backward then reads
+    overwritten data: it saved a view of its input (``x.view(...)`` for a matmul) and the
+    caller reuses the input's buffer for later work (``tests/test_graph.py``'s model: the
+    second block's weight gradients 2e-2 apart after one AdamW step); or it returns a tensor
+    it also saved (``tanh``'s output) and the caller computes in place on the returned one
+    (``tests/test_regions.py``'s ``_Between``: gradients 1 to 4 apart). Both exact with
+    ``allow_buffer_reuse=False``, which would cost every graph its reuse. The copies cost one
+    pass over each activation a block takes and returns, in forward and in backward (the
+    backward copies the gradient, for the same reason in the backward graph). Registered
+    once, when the first region is traced (not at import).
     """
 
     @torch.library.custom_op("fully_shard::region_input", mutates_args=())
