@@ -16,9 +16,11 @@ gloo, the test suite; each entry says which releases it has run on):
 - torch 2.11.0 with CUDA (an H200, 2026-12-04, an earlier engine): the entries up to
   :func:`dtensor_from_spec`.
 - The graph path's entries (``funcol_*``, :func:`assume_constant_result`,
-  :func:`forward_hooks`, :func:`forward_hook_ids`, :func:`has_backward_or_global_hooks`) and
+  :func:`forward_hooks`, :func:`has_backward_or_global_hooks`) and
   :func:`torch_newton_schulz` (``fully_shard.Muon``) came later: run on 2.13.0 and 2.14.1;
   ``torch_newton_schulz`` falls back to our copy of the arithmetic where torch has no Muon.
+- :func:`forward_hook_ids` and :func:`cache_region_schemas` (the graph path's regions): run
+  on 2.13.0 only (the 2.14.1 environment did not install on 2026-12-07).
 
 Releases in between have not been run. An entry whose API may be missing falls back (a probe,
 ``getattr``) or raises ``FullyShardNotImplementedError`` naming the torch version; the others
@@ -561,7 +563,8 @@ def forward_hooks(
 def forward_hook_ids(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ids of ``module``'s forward pre-hooks and forward hooks: what the graph path's
     region check reads per block (two tuples of a dict's keys, which dynamo traces in a few
-    steps and guards as the dicts' keys; nn.Module's private dicts, 2.13.0 and 2.14.1)."""
+    steps and guards as the dicts' keys; the private dicts :func:`forward_hooks` reads, run
+    with this function on 2.13.0 only)."""
     return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
 
 
@@ -620,8 +623,8 @@ def cache_region_schemas() -> None:
     an operand that is neither a tensor nor an int) goes to torch's own ``gen_schema``.
     ``torch.ops.higher_order.invoke_subgraph`` and its ``gen_schema`` are private; the call in
     ``HigherOrderOperator``'s autograd step goes through the instance, so an instance
-    attribute replaces it (torch 2.13.0; torch has since cached the same schema for
-    functionalization, upstream pull request 184646). Installed once, when the graph path
+    attribute replaces it (torch 2.13.0; torch has since cached the same schema for its
+    functionalization check, a path this one does not take). Installed once, when the graph path
     traces its first region; a no-op where the operator or its ``gen_schema`` is missing.
     """
     import weakref

@@ -651,12 +651,13 @@ def _register_region_input() -> None:
 
     Why: inductor lowers a region's outputs as fresh buffers of the calling graph, unaware
     that one may alias an input or another output, and reuses the caller's buffers
-    accordingly (torch 2.13.0 and 2.14.1). Two ways a block's backward then reads
-    overwritten data: it saved a view of its input (``x.view(...)`` for a matmul) and the
-    caller reuses the input's buffer for later work (``tests/test_graph.py``'s model: the
-    second block's weight gradients 2e-2 apart after one AdamW step); or it returns a tensor
-    it also saved (``tanh``'s output) and the caller computes in place on the returned one
-    (``tests/test_regions.py``'s ``_Between``: gradients 1 to 4 apart). Both exact with
+    accordingly. Two ways a block's backward then reads overwritten data: it saved a view of
+    its input (``x.view(...)`` for a matmul) and the caller reuses the input's buffer for
+    later work (``tests/test_graph.py``'s model: the second block's weight gradients 2e-2
+    apart after one AdamW step; torch 2.13.0 and 2.14.1); or it returns a tensor it also
+    saved (``tanh``'s output) and the caller computes in place on the returned one
+    (``tests/test_regions.py``'s ``_Between``: gradients 1 to 4 apart; torch 2.13.0, 2.14.1
+    not yet run). Both exact with
     ``allow_buffer_reuse=False``, which would cost every graph its reuse. The copies cost one
     pass over each activation a block takes and returns, in forward and in backward (the
     backward copies the gradient, for the same reason in the backward graph). Registered
