@@ -30,7 +30,11 @@ every backward hook. "Python calls" are the ``call`` events (what issue 48 count
 counts both kinds), reported beside the ``c_call`` events. ``optimizer.step()`` and
 ``zero_grad()`` are counted apart within the same step. "per group" divides a step's Python
 calls by the number of groups (blocks + 1); "over floor per group" first subtracts the floor's
-(plain or DDP).
+(plain or DDP). ``step()``'s count depends on the order the models were built in, not on the
+implementation: the models have the same shapes, and DTensor's sharding-propagation cache (in
+C++, keyed by value) finds the first-built model's specs for every later one and compares them
+in Python (``DTensorSpec.__eq__``), ~290 more calls for any model but the first (``ours``,
+built first, shows 250; ``ours-buckets`` and torch's, built after it, 538; swapped, swapped).
 
 ``--profile N`` also prints, for rank 0, the ``N`` functions with the most own time in one step
 of ``ours`` (cProfile), the list a cut of the fixed cost starts from.
@@ -273,8 +277,9 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
             dist.barrier()
             calls[impl] = count_calls(model, optim, data[len(losses[impl])])
         profile = ""
-        if opts.profile and "ours" in runs:
-            profile = profile_step(*runs["ours"], data[-1], opts.profile)
+        for impl in ("ours", "ours-buckets") if opts.profile else ():
+            if impl in runs:
+                profile += f"{impl}:\n" + profile_step(*runs[impl], data[-1], opts.profile)
         result = {"rank": rank, "times": times, "losses": losses, "calls": calls}
         result["profile"] = profile
         gathered: list[Any] = [None] * opts.world
@@ -427,7 +432,10 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
-        "--profile", type=int, default=0, help="print cProfile's top N of one step of ours"
+        "--profile",
+        type=int,
+        default=0,
+        help="print cProfile's top N of one step of ours (and of ours-buckets)",
     )
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)

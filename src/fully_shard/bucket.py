@@ -50,7 +50,7 @@ from .collectives import TorchComm, Waitable, divide_
 from .description import GroupDescription, offsets
 from .group import GroupState, ParamGroup, SharedReduce
 from .observer import CollectiveCall, issue_observed
-from .packing import GatherInput, ProcessGroupAllocator, allocate_buffer, copy_in, pack_grad
+from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grad
 from .param import ShardedParam
 
 MIB = 1024 * 1024  # DDP's bucket_cap_mb unit
@@ -343,9 +343,12 @@ def _gather(members: list[ParamGroup], async_op: bool) -> None:
         rows = output.view(world, total)  # (W, total): row r is rank r's input
         mine = rows[first.rank]
         start = 0
-        for d, per_param in zip(descs, inputs, strict=True):
-            flat: list[GatherInput] = [gi for gis in per_param for gi in gis]
-            copy_in(mine.narrow(0, start, d.gather_total), flat)
+        for d, sent in zip(descs, inputs, strict=True):
+            slot = mine.narrow(0, start, d.gather_total)
+            if sent.whole is not None:
+                torch.cat(sent.whole, out=slot)  # copy_in's own shortcut
+            else:
+                copy_in(slot, sent.flat)
             start += d.gather_total
     finally:
         set_grad_enabled(grad_was)
@@ -358,8 +361,8 @@ def _gather(members: list[ParamGroup], async_op: bool) -> None:
         )
     )
     start = 0
-    for m, d, per_param in zip(members, descs, inputs, strict=True):
-        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), per_param)
+    for m, d, sent in zip(members, descs, inputs, strict=True):
+        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent)
         start += d.gather_total
 
 

@@ -177,6 +177,19 @@ class _PendingGather:
 
 
 @dataclass
+class _SharedInputs:
+    """What a group sends in a bucket's all-gather: its inputs in the description's layout,
+    their flat views when each fills its slot (one ``torch.cat``), per parameter (empty when
+    replayed from the group's :class:`_DenseGather`), and whether the copy-out may take (or
+    establish) the dense replay."""
+
+    flat: list[GatherInput]
+    whole: list[torch.Tensor] | None
+    per_param: list[list[GatherInput]]
+    plain: bool
+
+
+@dataclass
 class _DenseGather:
     """What a group's plain gathers repeat under one description (every side a
     :class:`~fully_shard.storage.DenseStorage`, every parameter one plain input in the
@@ -939,24 +952,36 @@ class ParamGroup:
 
     # -- buckets (fully_shard.bucket): one collective for several groups ---------------------
 
-    def start_shared_gather(self) -> list[list[GatherInput]]:
-        """Begin an unshard whose all-gather a bucket issues: move to UNSHARDING and return
-        what each parameter sends (plain shards, laid out as the description says)."""
+    def start_shared_gather(self) -> _SharedInputs:
+        """Begin an unshard whose all-gather a bucket issues: move to UNSHARDING and say what
+        this group sends (plain shards, laid out as the description says)."""
         self._transition(GroupState.UNSHARDING, "unshard() (bucketed)")
-        self.begin("unshard")
-        self._drop_pieces()
+        if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+            self.begin("unshard")
+        if self._pieces_cut:
+            self._drop_pieces()
         self._gathered_versions = self.sharded_versions()
+        desc, dense = self.description, self._dense
+        if dense is not None and self._dense_for is desc:  # as _unshard_dense repeats it
+            return _SharedInputs(dense.inputs, dense.whole, [], True)
         quant = self.config.quantization_policy
-        return [p.all_gather_inputs(quant) for p in self.params]
+        per_param = [p.all_gather_inputs(quant) for p in self.params]
+        flat = [gi for gis in per_param for gi in gis]
+        plain = len(flat) == len(self.params) and all(
+            isinstance(p.unsharded_side, DenseStorage) for p in self.params
+        )
+        return _SharedInputs(flat, None, per_param, plain)
 
     def adopt_gather(
-        self, work: Waitable | None, columns: torch.Tensor, inputs: list[list[GatherInput]]
+        self, work: Waitable | None, columns: torch.Tensor, inputs: _SharedInputs
     ) -> None:
         """The bucket's all-gather is out: ``columns`` ``(W, gather_total)`` is this group's
         part of its ``(W, bucket total)`` buffer; :meth:`wait_for_unshard` waits for ``work``
         (shared by the bucket's groups, so waited once) and copies them out."""
         desc = self.description
-        self._gather = _PendingGather(work, columns, desc.world, inputs, desc.gather_sizes)
+        self._gather = _PendingGather(
+            work, columns, desc.world, inputs.per_param, desc.gather_sizes, inputs.plain
+        )
 
     def adopt_reduce(self, shared: SharedReduce) -> None:
         """The bucket's reduce-scatter carries this group's gradients: finishing it is this

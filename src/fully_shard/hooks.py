@@ -252,12 +252,8 @@ def _refresh_buckets(ctx: RootContext) -> None:
     states = ctx.states
     signature: list[Any] = [s.bucket_cap for s in states]
     signature += [x for s in states for g in s.groups for x in (g.config, g.description)]
-    old = ctx.bucket_signature
-    if (
-        not ctx.buckets_dirty
-        and len(old) == len(signature)
-        and all(a is b or a == b for a, b in zip(old, signature, strict=True))
-    ):
+    # list == list: items compared by identity first, so an unchanged step costs no Python
+    if not ctx.buckets_dirty and ctx.bucket_signature == signature:
         return
     ctx.bucket_signature, ctx.buckets_dirty = signature, False
     for state in states:
