@@ -210,6 +210,8 @@ _NOTHING_SENT = _PendingGather(None, None, 1, [], ())
 
 # ShardedParam.sharded_param, read as a C call (ParamGroup.sharded_versions).
 _SHARDED_PARAM = operator.attrgetter("sharded_param")
+# ShardedParam.local_shard's tensor, read as a C call (ParamGroup._reduces_to_itself).
+_LOCAL_SHARD = operator.attrgetter("_local")
 
 
 @dataclass
@@ -616,7 +618,11 @@ class ParamGroup:
             # Trainable is whatever the sharded parameter says now: requires_grad_() after
             # fully_shard is followed, not the value it had when it was wrapped.
             unsharded.requires_grad_(p.sharded_param.requires_grad)
-            p.register(unsharded)
+            if p.post_forward_shown is not None:
+                p.register(unsharded)
+            else:  # ShardedParam.register, inline (twice per parameter per step)
+                for module, name in p.slots:
+                    module._parameters[name] = unsharded
         if GroupState.UNSHARDED not in _TRANSITIONS[self.state]:
             self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
         self.state = GroupState.UNSHARDED
@@ -734,7 +740,12 @@ class ParamGroup:
         for p in self.params:
             if free:
                 p.free_storage()
-            p.register(p.sharded_param)
+            if p.post_forward_shown is not None:
+                p.register(p.sharded_param)
+            else:  # ShardedParam.register, inline (twice per parameter per step)
+                sharded = p.sharded_param
+                for module, name in p.slots:
+                    module._parameters[name] = sharded
         if GroupState.SHARDED not in _TRANSITIONS[self.state]:
             self._transition(GroupState.SHARDED, "reshard()")
         self.state = GroupState.SHARDED
@@ -772,7 +783,8 @@ class ParamGroup:
             for i in trainable:
                 params[i].keep_unsharded_grad(desc.reduce_dtype)
             return
-        self.finish_reduce()  # a reduction still in flight from an earlier backward
+        if self._pending_reduce is not None:  # in flight from an earlier backward
+            self.finish_reduce()
         partial = self._partial_reduce
         grads = [(i, params[i].take_unsharded_grad()) for i in trainable]
         packed = [
@@ -867,7 +879,7 @@ class ParamGroup:
         ):
             return False
         for i, g in packed:
-            local = self.params[i].local_shard
+            local = _LOCAL_SHARD(self.params[i])
             if (
                 g is None
                 or g.requires_grad
