@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import has_static_value
 from torch.utils.checkpoint import checkpoint
 
 from ._compat import (
@@ -684,11 +685,15 @@ def _input_meta(x: Any) -> Any:
     """What the region's trace assumes about one argument, or ``False`` if the key cannot hold
     it (a tensor subclass, a symbolic size, an object). Loop-free: each loop dynamo traces
     costs it an exception at its end, per block."""
+    # A symbolic size (dynamo made a dimension dynamic after seeing it change) is an int to
+    # type() and isinstance() while dynamo traces: has_static_value is what tells them apart.
     if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor or type(x.numel()) is not int:  # a subclass, symbolic
+        if type(x) is not torch.Tensor or not has_static_value(x.numel()):
             return False
         return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-    if x is None or type(x) in (bool, int, float, str):
+    if x is None or type(x) is str:
+        return (type(x), x)
+    if type(x) in (bool, int, float) and has_static_value(x):
         return (type(x), x)
     return False
 
