@@ -12,12 +12,17 @@ What they must do, checked here on a 4-block ``Transformer`` (root + 4 groups):
   (which records the order and runs unbucketed), against hand-counted buckets and
   ``Buckets.sizes()``;
 - close a bucket at a group whose options differ;
-- refuse a bad cap before changing anything.
+- refuse a bad cap before changing anything;
+- in the one graph (``torch.compile(model, fullgraph=True)``, ``aot_eager``): one all-gather
+  and one reduce-scatter per bucket in the traced graphs, the same training as the eager
+  engine with the same cap and as the unsharded model, a recompile when the cap changes.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -42,7 +47,9 @@ from parity import (
     fsdp_gradient_sync,
     loss_fn,
     make_token_batch,
+    param_diffs,
 )
+from test_graph import _batch, _collectives, _Graphs, _Net
 
 ARGS = ModelArgs(n_layers=4)
 # Every compatible group in one bucket.
@@ -326,3 +333,90 @@ def test_a_bad_cap_is_refused_before_anything_changes() -> None:
         "FullyShardTypeError",
     ]
     assert "set_bucket_cap_mb" in errors[0] and "-1" in errors[0]
+
+
+# -- in the one graph ----------------------------------------------------------------------------
+
+
+def _compiled_with_cap(reshard: bool, regions: bool, bf16_block: bool) -> dict[str, Any]:
+    """test_graph's net (tied embedding and head in the root's group, 4 blocks, uneven rows),
+    W=2: compiled whole beside our eager engine and the unsharded replica, 3 AdamW steps. The
+    cap comes at step 1 (both sharded models), so step 0 traces without buckets and step 1
+    traces again with them; block 1 gathers in bf16 if ``bf16_block``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False, blocks=4)
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    f32 = torch.float32
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=f32, output_dtype=f32)
+    for m in (model, eager):
+        for i, block in enumerate(m.blocks):
+            mp = bf16 if bf16_block and i == 1 else MixedPrecisionPolicy()
+            fully_shard(block, mesh=mesh_1d(), reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(m, mesh=mesh_1d())  # the root keeps its parameters (torch's default)
+    assert isinstance(model, FSDPModule) and isinstance(eager, FSDPModule)
+    model.set_compile_region(regions)
+    graphs = _Graphs("aot_eager")
+    models = (model, eager, reference)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    rank = torch.distributed.get_rank()
+    frames = []
+    with torch._dynamo.config.patch(inline_single_use_invoke_subgraph=False):
+        run = torch.compile(model, backend=graphs, fullgraph=True)
+        for step in range(3):
+            if step == 1:
+                model.set_bucket_cap_mb(ALL)
+                eager.set_bucket_cap_mb(ALL)
+            tokens, targets = _batch(step, 4)
+            for call, optim in zip((run, eager, reference), optims, strict=True):
+                rows = slice(None) if call is reference else slice(2 * rank, 2 * rank + 2)
+                loss_fn(call(tokens[rows]), targets[rows]).backward()
+                optim.step()
+                optim.zero_grad()
+            frames.append(graphs.frames)
+    return {
+        "diffs": param_diffs(model, reference),
+        "eager_diffs": param_diffs(model, eager),
+        "frames": frames,
+        "regions": sum(
+            n.target is torch.ops.higher_order.invoke_subgraph
+            for n in graphs.dynamo[-1].graph.nodes
+        ),
+        "fw": [_collectives(g) for g in graphs.fw],
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+@pytest.mark.parametrize(("reshard", "regions"), [(True, True), (False, False)])
+def test_the_one_graph_has_one_collective_per_bucket(reshard: bool, regions: bool) -> None:
+    """Buckets in the traced graph: the same training as eager with the same cap and as the
+    unsharded model (1e-5), one recompile when the cap is set, and one all-gather and one
+    reduce-scatter (gloo: an all-to-all) per bucket. The root keeps its parameters after
+    forward and the blocks reshard, so with ``reshard`` the root is a bucket of its own."""
+    f32 = torch.float32
+    for r in run_distributed(_compiled_with_cap, 2, reshard, regions, False, timeout=300):
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
+        assert r["frames"] == [1, 2, 2]  # the cap recompiled once
+        (fw0, fw), (bw0, bw) = r["fw"], r["bw"]
+        assert len(fw0) == 5 and fw0.count(("all_to_all", f32)) == 0  # a gather per group
+        assert bw0.count(("all_to_all", f32)) == 5
+        buckets = 2 if reshard else 1
+        assert fw == [("all_gather", f32)] * buckets, fw
+        again = [("all_gather", f32)] if reshard else []  # the blocks' bucket, recomputed
+        assert Counter(bw) == Counter(again + [("all_to_all", f32)] * buckets), bw
+        assert r["regions"] == 0  # every block in a bucket: traced inline
+
+
+def test_a_bf16_block_closes_the_bucket_in_the_graph() -> None:
+    """Block 1 gathers in bf16: buckets [root] [0] [1] [2, 3] (the root keeps its parameters,
+    the blocks reshard); blocks 0 and 1, each a bucket of one, keep their regions."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    for r in run_distributed(_compiled_with_cap, 2, True, True, True, timeout=300):
+        # bf16 compute in block 1: against eager as test_graph's mixed precision test
+        assert max(r["eager_diffs"]) < 1e-4, r["eager_diffs"]
+        assert r["frames"] == [1, 2, 2]
+        fw, bw = r["fw"][-1], r["bw"][-1]
+        assert Counter(fw) == {("all_gather", f32): 3, ("all_gather", bf16): 1}, fw
+        assert bw.count(("all_to_all", f32)) == 4, bw
+        assert r["regions"] == 2

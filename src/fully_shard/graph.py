@@ -59,7 +59,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,6 +81,7 @@ from ._compat import (
 
 # What the graph path takes from the eager engine's communication module, in one place (the
 # graph path packs its own buffers, out of place, so that they trace as pure operations).
+from .bucket import gather_bytes, gather_key, reduce_bytes, reduce_key, runs_of
 from .collectives import Reduction, TorchComm
 from .description import GroupDescription, ParamSlot
 from .errors import FullyShardNotImplementedError, FullyShardStateError
@@ -270,6 +271,12 @@ class GraphRun:
     # compiled on its own) and whose post-forward ends it
     gathered: set[int]  # id() of the states whose groups were gathered in this forward
     shown: list[tuple[nn.Module, str]]  # (module, name) entries put in module.__dict__
+    # set_bucket_cap_mb: each group's run (_graph_buckets, by place); the gathered tensors of
+    # the groups whose run gathered them before their module was called; the places a run
+    # gathered.
+    bucket_of: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = ()
+    pending: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    taken: set[tuple[int, int]] = field(default_factory=set)
 
 
 def _refuse(group: ParamGroup, what: str, instead: str) -> None:
@@ -509,10 +516,12 @@ def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
 
 
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
-    for group in state.groups:
+    for j, group in enumerate(state.groups):
         if not group.params:
             continue
-        fulls = _gather(group, reshard)
+        fulls = _bucket_gathered(run, state, j, reshard)
+        if fulls is None:
+            fulls = _gather(group, reshard)
         for p, full in zip(group.params, fulls, strict=True):
             shown = full if p.tp is None else _on_tp_mesh(full, p.tp)
             for module, name in p.slots:
@@ -531,7 +540,8 @@ def graph_pre_forward(
     run = ctx.graph_run
     if run is None:  # the outermost sharded module of the traced frame starts the run
         _check_root_options(state, ctx.manual_finalization)
-        run = GraphRun(id(state), set(), [])
+        caps = tuple(s.bucket_cap for s in ctx.states)  # guarded: a new cap recompiles
+        run = GraphRun(id(state), set(), [], _graph_buckets(state, caps))
         ctx.graph_run = run
     if id(state) not in run.gathered:
         _show(run, state, state.reshard_after_forward)
@@ -819,6 +829,7 @@ def graph_call(
         and _is_ours(state, post_hooks[0][0])
         and _inside_run(state)
         and _in_regions(state, state.config.compile_region)
+        and not _in_bucket(state)
     ):
         done, output = _region_call(module, state, args, kwargs)
         if done:
@@ -844,3 +855,197 @@ def graph_call(
             )
             output = output if result is None else result
     return output
+
+
+# -- buckets in the graph (set_bucket_cap_mb) ----------------------------------------------------
+#
+# With a cap, a run of consecutive groups (fully_shard.bucket's runs_of, over the groups in
+# forward order) gathers with one all-gather and reduces with one reduce-scatter in the traced
+# graph too, so the compiler is not left to find the buckets. The run's first group to be
+# called gathers the whole run (_GatherBucket), in the root graph; the others take their
+# gathered tensors from the run (GraphRun.pending) when their module is called. The bucket's
+# backward is its reduction: autograd runs it once every member's gradients exist, that is
+# after the run's last group in backward order (its first in forward order), as the eager
+# bucket's reduce-scatter waits for the run's last group. Which groups and in which order:
+#
+# - the order the eager engine recorded, if an eager iteration ran before the first trace;
+#   otherwise the module tree's pre-order (the root first, then the blocks as registered),
+#   which is the forward order of a model that calls its blocks in registration order. In
+#   another order a run still gathers once, at its first member called: the buckets are then
+#   less useful (gathered early), never wrong.
+# - one run serves both collectives, so its groups must agree on both (bucket.gather_key and
+#   bucket.reduce_key), gather in one dtype (no param_dtype_override_fn mix), and reshard
+#   alike (reshard_after_forward, unshard_in_backward: the run's gather is recomputed in
+#   backward, or kept, as a whole). A buffer counts the larger of its all-gather and its
+#   reduce-scatter bytes against the cap. The eager engine cuts its reductions from the other
+#   end (runs in backward order), so where the groups do not divide into full buckets the two
+#   runtimes may split the last bucket differently; the numbers agree all the same.
+# - a block whose groups are in a run of several is traced inline, not as a region: the
+#   run's gather sits in the root graph, outside the blocks, and a region that takes gathered
+#   tensors as inputs would save them for its backward (one copy per block kept from forward
+#   to backward, where reshard_after_forward wants none). Blocks outside every run keep their
+#   regions.
+#
+# The caps are read in the traced code, so dynamo guards on them: set_bucket_cap_mb after the
+# first compiled step recompiles once, and the new graph has the new buckets.
+
+
+def _graph_key(group: ParamGroup, reshard: bool) -> Any:
+    """What must agree for two groups to share a bucket in the graph; ``None``: never."""
+    gather, reduce = gather_key(group), reduce_key(group)
+    if gather is None or reduce is None or len(group.description.pieces) != 1:
+        return None
+    return (gather, reduce, reshard, group.config.unshard_in_backward)
+
+
+def _graph_bytes(group: ParamGroup) -> int:
+    d = group.description
+    return max(gather_bytes(d), reduce_bytes(d))
+
+
+Place = tuple[int, int]
+"""A group under the root: its state's index in ``RootContext.states``, its index there."""
+
+
+@assume_constant_result
+def _graph_buckets(
+    state: FSDPState, caps: tuple[int | None, ...]
+) -> tuple[tuple[tuple[Place, ...], ...], ...]:
+    """For each state under ``state``'s root, for each of its groups: its run, if it is in a
+    run of several, else ``()`` (``caps``, every state's ``bucket_cap``, is passed so that
+    dynamo guards on it). Places, not groups: what a constant holds has no source for the
+    guards that reading a group's options installs, so the traced code looks the groups up."""
+    ctx = state.root
+    if ctx is None or not any(caps):
+        return ()
+    order = ctx.forward_order if ctx.order_recorded else ctx.states
+    place = {g: (i, j) for i, s in enumerate(ctx.states) for j, g in enumerate(s.groups)}
+    owner = {g: s for s in ctx.states for g in s.groups}
+    groups = [g for s in order for g in s.groups if g.params]
+    for g in groups:
+        check_traceable(g)  # refused by name before its description is read
+
+    def key(g: ParamGroup) -> Any:
+        return _graph_key(g, owner[g].reshard_after_forward)
+
+    runs = runs_of(groups, key, _graph_bytes, lambda g: owner[g].bucket_cap)
+    run_of = {g: tuple(place[m] for m in run) for run in runs if len(run) > 1 for g in run}
+    return tuple(tuple(run_of.get(g, ()) for g in s.groups) for s in ctx.states)
+
+
+@assume_constant_result
+def _state_index(state: FSDPState) -> int:
+    ctx = state.root
+    return -1 if ctx is None else ctx.states.index(state)
+
+
+def _in_bucket(state: FSDPState) -> bool:
+    """Whether one of ``state``'s groups is in a run of several in this traced forward."""
+    ctx = state.root
+    run = None if ctx is None else ctx.graph_run
+    if run is None or not run.bucket_of:
+        return False
+    return any(run.bucket_of[_state_index(state)])
+
+
+def _bucket_gathered(
+    run: GraphRun, state: FSDPState, j: int, reshard: bool
+) -> tuple[torch.Tensor, ...] | None:
+    """The gathered tensors of ``state``'s group ``j`` if its run gathers it (now, if it is
+    the first of its run to be called in this forward, with the others not gathered yet; or
+    earlier), else ``None``: it gathers alone."""
+    if not run.bucket_of:
+        return None
+    me = (_state_index(state), j)
+    fulls = run.pending.pop(me, None)
+    if fulls is not None:
+        return fulls
+    bucket = run.bucket_of[me[0]][j]
+    members = [m for m in bucket if m == me or m not in run.taken]
+    if len(members) < 2:
+        return None
+    states = state.root.states  # type: ignore[union-attr]
+    groups = [states[i].groups[k] for i, k in members]
+    plans = tuple(_plan_of(g) for g in groups)
+    extras = [_extra_of(g, p) for g, p in zip(groups, plans, strict=True)]
+    shards = [_local(p) for g in groups for p in g.params]
+    gather = functools.partial(_GatherBucket.apply, plans, len(groups))
+    if reshard and state.groups[j].config.unshard_in_backward:  # as _gather_shards
+        out = checkpoint(gather, *extras, *shards, use_reentrant=False, preserve_rng_state=False)
+    else:
+        out = gather(*extras, *shards)
+    start = 0
+    mine: tuple[torch.Tensor, ...] = ()
+    for m, g in zip(members, groups, strict=True):
+        run.taken.add(m)
+        fulls = tuple(out[start : start + len(g.params)])
+        if m == me:
+            mine = fulls
+        else:
+            run.pending[m] = fulls
+        start += len(g.params)
+    return mine
+
+
+class _GatherBucket(torch.autograd.Function):
+    """:class:`_GatherGroup` for a run of groups: one all-gather of their shards side by side
+    in every rank's row (each group's layout as it gathers alone, in run order), and in
+    backward one reduce-scatter of their packed gradients, side by side the same way.
+
+    Inputs: the groups' descriptions, their count ``n``, each group's ``extra`` (see
+    :class:`_GatherGroup`), then every group's shards in order.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, plans: tuple[GroupDescription, ...], n: int, *tensors: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        extras, shards = tensors[:n], tensors[n:]
+        ctx.plans = plans
+        ctx.kept = [e is not None and p.sync for p, e in zip(plans, extras, strict=True)]
+        ctx.save_for_backward(*(e for e, k in zip(extras, ctx.kept, strict=True) if k))
+        slots = [s for p in plans for s in p.slots]
+        parts = []
+        for shard, slot in zip(shards, slots, strict=True):
+            if shard is None:
+                raise FullyShardStateError("bucket gather without a shard (internal error)")
+            parts.append(_padded(shard.to(slot.compute_dtype), slot).reshape(-1))
+        first = plans[0]
+        flat = funcol_all_gather(torch.cat(parts), first.world, first.shard_group_name)
+        blocks = torch.split(flat.view(first.world, -1), [s.padded_numel for s in slots], dim=1)
+        return tuple(_unranked(b, s) for b, s in zip(blocks, slots, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plans: tuple[GroupDescription, ...] = ctx.plans
+        n, first = len(plans), plans[0]
+        kept = iter(ctx.saved_tensors)
+        extras: list[torch.Tensor | None] = [None] * n
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        columns, landing = [], []  # each group's (W, total) packed gradients; where they go
+        start = 0
+        for j, plan in enumerate(plans):
+            mine = grads[start : start + len(plan.slots)]
+            trainable = [i for i in range(len(mine)) if ctx.needs_input_grad[2 + n + start + i]]
+            if not plan.sync:  # kept unreduced, in the accumulator's gradient
+                extras[j] = _pack_grads(plan, mine, trainable)
+            else:
+                k = next(kept) if ctx.kept[j] else None
+                whole = k is not None or plan.reduce_unused
+                members = trainable if whole else [i for i in trainable if mine[i] is not None]
+                if members:
+                    flat = _pack_grads(plan, mine, members)
+                    flat = flat if k is None else flat + k
+                    columns.append(flat.view(plan.world, -1))
+                    landing.append((plan, start, members))
+            start += len(plan.slots)
+        if columns:
+            flat = _reduce_flat(first, torch.cat(columns, dim=1).reshape(-1))
+            sizes = [plan.slots[i].padded_numel for plan, _, members in landing for i in members]
+            pieces = iter(torch.split(flat, sizes))
+            for plan, at, members in landing:
+                for i in members:
+                    p = plan.slots[i]
+                    rows = next(pieces).view(p.padded_shard).narrow(p.dim, 0, p.local_rows)
+                    out[at + i] = rows.to(p.orig_dtype)
+        return (None, None, *extras, *out)
