@@ -338,11 +338,14 @@ def test_a_bad_cap_is_refused_before_anything_changes() -> None:
 # -- in the one graph ----------------------------------------------------------------------------
 
 
-def _compiled_with_cap(reshard: bool, regions: bool, bf16_block: bool) -> dict[str, Any]:
+def _compiled_with_cap(
+    reshard: bool, regions: bool, bf16_block: bool, cap_at: int
+) -> dict[str, Any]:
     """test_graph's net (tied embedding and head in the root's group, 4 blocks, uneven rows),
     W=2: compiled whole beside our eager engine and the unsharded replica, 3 AdamW steps. The
-    cap comes at step 1 (both sharded models), so step 0 traces without buckets and step 1
-    traces again with them; block 1 gathers in bf16 if ``bf16_block``."""
+    cap (every group in one bucket) comes before step ``cap_at`` on both sharded models (at
+    1: step 0 traces without buckets, step 1 again with them); block 1 gathers in bf16 if
+    ``bf16_block``."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False, blocks=4)
@@ -361,10 +364,11 @@ def _compiled_with_cap(reshard: bool, regions: bool, bf16_block: bool) -> dict[s
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     rank = torch.distributed.get_rank()
     frames = []
+    # Dynamo inlines a region called once; keep every region, so that each one shows.
     with torch._dynamo.config.patch(inline_single_use_invoke_subgraph=False):
         run = torch.compile(model, backend=graphs, fullgraph=True)
         for step in range(3):
-            if step == 1:
+            if step == cap_at:
                 model.set_bucket_cap_mb(ALL)
                 eager.set_bucket_cap_mb(ALL)
             tokens, targets = _batch(step, 4)
@@ -374,49 +378,64 @@ def _compiled_with_cap(reshard: bool, regions: bool, bf16_block: bool) -> dict[s
                 optim.step()
                 optim.zero_grad()
             frames.append(graphs.frames)
+    bodies = Counter(
+        n.args[0].target
+        for n in graphs.dynamo[-1].graph.nodes
+        if n.target is torch.ops.higher_order.invoke_subgraph
+    )
     return {
         "diffs": param_diffs(model, reference),
         "eager_diffs": param_diffs(model, eager),
         "frames": frames,
-        "regions": sum(
-            n.target is torch.ops.higher_order.invoke_subgraph
-            for n in graphs.dynamo[-1].graph.nodes
-        ),
+        "regions": sorted(bodies.values()),  # calls of each region body
         "fw": [_collectives(g) for g in graphs.fw],
         "bw": [_collectives(g) for g in graphs.bw],
     }
 
 
-@pytest.mark.parametrize(("reshard", "regions"), [(True, True), (False, False)])
-def test_the_one_graph_has_one_collective_per_bucket(reshard: bool, regions: bool) -> None:
+@pytest.mark.parametrize(
+    ("reshard", "regions", "cap_at"), [(True, True, 1), (False, True, 0), (False, False, 0)]
+)
+def test_the_one_graph_has_one_collective_per_bucket(
+    reshard: bool, regions: bool, cap_at: int
+) -> None:
     """Buckets in the traced graph: the same training as eager with the same cap and as the
-    unsharded model (1e-5), one recompile when the cap is set, and one all-gather and one
-    reduce-scatter (gloo: an all-to-all) per bucket. The root keeps its parameters after
-    forward and the blocks reshard, so with ``reshard`` the root is a bucket of its own."""
+    unsharded model (1e-5), and one all-gather and one reduce-scatter (gloo: an all-to-all)
+    per bucket. The root keeps its parameters after forward; with ``reshard`` the blocks do
+    not, so the root is a bucket of its own and the blocks' bucket gathers again in backward.
+    A cap set after the first compiled step recompiles once. With regions on, blocks that
+    reshard are traced inline (their bucket's gather would otherwise be kept until backward);
+    blocks that keep their parameters share one region that takes them gathered."""
     f32 = torch.float32
-    for r in run_distributed(_compiled_with_cap, 2, reshard, regions, False, timeout=300):
+    for r in run_distributed(_compiled_with_cap, 2, reshard, regions, False, cap_at, timeout=300):
         assert max(r["diffs"]) < 1e-5, r["diffs"]
         assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
-        assert r["frames"] == [1, 2, 2]  # the cap recompiled once
-        (fw0, fw), (bw0, bw) = r["fw"], r["bw"]
-        assert len(fw0) == 5 and fw0.count(("all_to_all", f32)) == 0  # a gather per group
-        assert bw0.count(("all_to_all", f32)) == 5
+        assert r["frames"] == ([1, 2, 2] if cap_at else [1, 1, 1])
+        if cap_at:  # the first graph: one gather and one reduction per group
+            assert r["fw"][0] == [("all_gather", f32)] * 5
+            assert r["bw"][0].count(("all_to_all", f32)) == 5
+        fw, bw = r["fw"][-1], r["bw"][-1]
         buckets = 2 if reshard else 1
         assert fw == [("all_gather", f32)] * buckets, fw
         again = [("all_gather", f32)] if reshard else []  # the blocks' bucket, recomputed
         assert Counter(bw) == Counter(again + [("all_to_all", f32)] * buckets), bw
-        assert r["regions"] == 0  # every block in a bucket: traced inline
+        assert r["regions"] == ([4] if regions and not reshard else [])
 
 
 def test_a_bf16_block_closes_the_bucket_in_the_graph() -> None:
     """Block 1 gathers in bf16: buckets [root] [0] [1] [2, 3] (the root keeps its parameters,
-    the blocks reshard); blocks 0 and 1, each a bucket of one, keep their regions."""
+    the blocks reshard); blocks 0 and 1, each a bucket of one, keep their regions (one each:
+    their gathers differ), blocks 2 and 3 are traced inline."""
     f32, bf16 = torch.float32, torch.bfloat16
-    for r in run_distributed(_compiled_with_cap, 2, True, True, True, timeout=300):
+    for r in run_distributed(_compiled_with_cap, 2, True, True, True, 0, timeout=300):
         # bf16 compute in block 1: against eager as test_graph's mixed precision test
         assert max(r["eager_diffs"]) < 1e-4, r["eager_diffs"]
-        assert r["frames"] == [1, 2, 2]
-        fw, bw = r["fw"][-1], r["bw"][-1]
+        assert r["frames"] == [1, 1, 1]
+        (fw,), (bw,) = r["fw"], r["bw"]
         assert Counter(fw) == {("all_gather", f32): 3, ("all_gather", bf16): 1}, fw
-        assert bw.count(("all_to_all", f32)) == 4, bw
-        assert r["regions"] == 2
+        assert Counter(bw) == {
+            ("all_gather", f32): 2,  # block 0's and the bucket [2, 3]'s, recomputed
+            ("all_gather", bf16): 1,  # block 1's
+            ("all_to_all", f32): 4,
+        }, bw
+        assert r["regions"] == [1, 1]

@@ -541,7 +541,7 @@ def graph_pre_forward(
     if run is None:  # the outermost sharded module of the traced frame starts the run
         _check_root_options(state, ctx.manual_finalization)
         caps = tuple(s.bucket_cap for s in ctx.states)  # guarded: a new cap recompiles
-        run = GraphRun(id(state), set(), [], _graph_buckets(state, caps))
+        run = GraphRun(id(state), set(), [], _graph_buckets(state, *caps))
         ctx.graph_run = run
     if id(state) not in run.gathered:
         _show(run, state, state.reshard_after_forward)
@@ -722,6 +722,10 @@ def _region_call(
     metas = tuple(map(_input_meta, user))
     if False in metas:
         return False, None
+    if _in_bucket(state):
+        if state.reshard_after_forward and state.config.unshard_in_backward:
+            return False, None  # inline: see "buckets in the graph" below
+        return True, state._cast_output(_gathered_region_call(module, state, kwargs, user, metas))
     # The gather's inputs: each group's extra, then its shards (their metadata is read off the
     # parameters by _region_key, which also reads each group's plan).
     extras: list[torch.Tensor | None] = []
@@ -829,7 +833,6 @@ def graph_call(
         and _is_ours(state, post_hooks[0][0])
         and _inside_run(state)
         and _in_regions(state, state.config.compile_region)
-        and not _in_bucket(state)
     ):
         done, output = _region_call(module, state, args, kwargs)
         if done:
@@ -880,11 +883,13 @@ def graph_call(
 #   reduce-scatter bytes against the cap. The eager engine cuts its reductions from the other
 #   end (runs in backward order), so where the groups do not divide into full buckets the two
 #   runtimes may split the last bucket differently; the numbers agree all the same.
-# - a block whose groups are in a run of several is traced inline, not as a region: the
-#   run's gather sits in the root graph, outside the blocks, and a region that takes gathered
-#   tensors as inputs would save them for its backward (one copy per block kept from forward
-#   to backward, where reshard_after_forward wants none). Blocks outside every run keep their
-#   regions.
+# - regions: the run's gather sits in the root graph, before its first block, and a block in
+#   a run of several that keeps its parameters after forward (reshard_after_forward=False)
+#   is a region that takes its gathered tensors as inputs (_gathered_region_body; blocks of
+#   one structure still share it). One that reshards after forward is traced inline instead:
+#   a region saves the tensors it takes for its backward, so the run's gathered parameters
+#   would be kept from forward to backward instead of gathered again (the backward graph's
+#   all-gather vanishes). Blocks outside every run keep their regions as before.
 #
 # The caps are read in the traced code, so dynamo guards on them: set_bucket_cap_mb after the
 # first compiled step recompiles once, and the new graph has the new buckets.
@@ -909,12 +914,12 @@ Place = tuple[int, int]
 
 @assume_constant_result
 def _graph_buckets(
-    state: FSDPState, caps: tuple[int | None, ...]
+    state: FSDPState, *caps: int | None
 ) -> tuple[tuple[tuple[Place, ...], ...], ...]:
     """For each state under ``state``'s root, for each of its groups: its run, if it is in a
     run of several, else ``()`` (``caps``, every state's ``bucket_cap``, is passed so that
-    dynamo guards on it). Places, not groups: what a constant holds has no source for the
-    guards that reading a group's options installs, so the traced code looks the groups up."""
+    dynamo guards on each). Places, not groups: a group held by a constant has no source for
+    the guards that reading its options installs, so the traced code looks the groups up."""
     ctx = state.root
     if ctx is None or not any(caps):
         return ()
@@ -1049,3 +1054,56 @@ class _GatherBucket(torch.autograd.Function):
                     rows = next(pieces).view(p.padded_shard).narrow(p.dim, 0, p.local_rows)
                     out[at + i] = rows.to(p.orig_dtype)
         return (None, None, *extras, *out)
+
+
+def _gathered_region_body(
+    key: int, module: nn.Module, n_args: int, n_kwargs: int, *flat: Any
+) -> Any:
+    """A bucketed block's call as a region: its parameters come gathered (by its bucket, in
+    the calling graph), so the region is its forward alone. ``flat``: the keyword names, every
+    group's gathered tensors, the positional arguments, the keyword values."""
+    state: FSDPState = module._fsdp_state  # type: ignore[assignment]
+    names, rest = flat[:n_kwargs], flat[n_kwargs:]
+    shown: list[tuple[nn.Module, str]] = []
+    for group in state.groups:
+        for p in group.params:
+            full, rest = _owned(rest[0]), rest[1:]  # copied in: see _register_region_input
+            for mod, name in p.slots:
+                mod.__dict__[name] = full
+                shown.append((mod, name))
+    rest = tuple(map(_owned, rest))
+    output = module.forward(*rest[:n_args], **dict(zip(names, rest[n_args:], strict=True)))
+    for mod, name in shown:
+        del mod.__dict__[name]
+    return output
+
+
+_gathered_region = compile_region(_gathered_region_body, _region_reuse_key)
+
+
+@assume_constant_result
+def _gathered_key(state: FSDPState, metas: tuple[Any, ...]) -> int:
+    """The key of a bucketed block's region: its structure and what it takes (the gathered
+    tensors' and the arguments' metadata, the keyword names)."""
+    return hash(("gathered", block_structure(state.modules[0]), metas))
+
+
+def _gathered_region_call(
+    module: nn.Module,
+    state: FSDPState,
+    kwargs: dict[str, Any],
+    user: tuple[Any, ...],
+    metas: tuple[Any, ...],
+) -> Any:
+    """Gather the block's groups (their buckets, in the calling graph), call its region."""
+    run: GraphRun = state.root.graph_run  # type: ignore[union-attr]
+    reshard = state.reshard_after_forward
+    fulls: list[torch.Tensor] = []
+    for j, group in enumerate(state.groups):
+        if group.params:
+            mine = _bucket_gathered(run, state, j, reshard)
+            fulls.extend(_gather(group, reshard) if mine is None else mine)
+    names = tuple(kwargs)
+    key = int(_gathered_key(state, (*map(_input_meta, fulls), *metas, *names)))
+    n_args = len(user) - len(names)
+    return _gathered_region(key, module, n_args, len(names), *names, *fulls, *user)
