@@ -79,9 +79,11 @@ from ._compat import (
     has_compile_regions,
 )
 
+# The eager engine's bucket rules (which groups may share a collective, the cut under a cap).
+from .bucket import gather_bytes, gather_key, reduce_bytes, reduce_key, runs_of
+
 # What the graph path takes from the eager engine's communication module, in one place (the
 # graph path packs its own buffers, out of place, so that they trace as pure operations).
-from .bucket import gather_bytes, gather_key, reduce_bytes, reduce_key, runs_of
 from .collectives import Reduction, TorchComm
 from .description import GroupDescription, ParamSlot
 from .errors import FullyShardNotImplementedError, FullyShardStateError
@@ -921,8 +923,8 @@ def _graph_buckets(
     dynamo guards on each). Places, not groups: a group held by a constant has no source for
     the guards that reading its options installs, so the traced code looks the groups up."""
     ctx = state.root
-    if ctx is None or not any(caps):
-        return ()
+    if ctx is None or not state.is_root or not any(caps):
+        return ()  # a block compiled on its own: the rest of its bucket is not in its graph
     order = ctx.forward_order if ctx.order_recorded else ctx.states
     place = {g: (i, j) for i, s in enumerate(ctx.states) for j, g in enumerate(s.groups)}
     owner = {g: s for s in ctx.states for g in s.groups}
