@@ -439,3 +439,49 @@ def test_a_bf16_block_closes_the_bucket_in_the_graph() -> None:
             ("all_to_all", f32): 4,
         }, bw
         assert r["regions"] == [1, 1]
+
+
+def _accumulating_in_the_graph() -> dict[str, Any]:
+    """Two micro-batches a step, gradient sync off for the first, compiled with one bucket
+    for the blocks, beside the unsharded replica on the global batches."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False, blocks=2)
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d())
+    assert isinstance(model, FSDPModule)
+    model.set_bucket_cap_mb(ALL)
+    graphs = _Graphs("aot_eager")
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    rank = torch.distributed.get_rank()
+    for step in range(2):
+        for micro in range(2):
+            tokens, targets = _batch(10 * step + micro, 4)
+            model.set_requires_gradient_sync(micro == 1)
+            mine = slice(2 * rank, 2 * rank + 2)
+            loss_fn(run(tokens[mine]), targets[mine]).backward()
+            loss_fn(reference(tokens), targets).backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    return {
+        "diffs": param_diffs(model, reference),
+        "frames": graphs.frames,
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+def test_gradient_accumulation_in_the_graph_reduces_each_bucket_once() -> None:
+    """Sync off: the bucket's backward keeps each group's gradients unreduced (no collective
+    but the blocks' recomputed gather); sync on: they join the last micro-batch's, one
+    reduce-scatter per bucket ([root], [0, 1]). One graph per value of the flag."""
+    f32 = torch.float32
+    for r in run_distributed(_accumulating_in_the_graph, 2, timeout=300):
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["frames"] == 2
+        unsynced, synced = r["bw"]
+        assert unsynced == [("all_gather", f32)], unsynced
+        assert Counter(synced) == {("all_gather", f32): 1, ("all_to_all", f32): 2}, synced
