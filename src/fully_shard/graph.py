@@ -1069,7 +1069,11 @@ def _gathered_region_body(
     shown: list[tuple[nn.Module, str]] = []
     for group in state.groups:
         for p in group.params:
-            full, rest = _owned(rest[0]), rest[1:]  # copied in: see _register_region_input
+            # Copied in as the arguments are (_register_region_input): a block saves its weights
+            # for backward as it saves views of its input. Not reproduced with gathered weights
+            # (tests/test_buckets.py's net, inductor, torch 2.13: exact without the copy); kept
+            # because the mechanism is the same.
+            full, rest = _owned(rest[0]), rest[1:]
             for mod, name in p.slots:
                 mod.__dict__[name] = full
                 shown.append((mod, name))
