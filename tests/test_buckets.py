@@ -342,13 +342,19 @@ def test_a_bad_cap_is_refused_before_anything_changes() -> None:
 
 
 def _compiled_with_cap(
-    reshard: bool, regions: bool, bf16_block: bool, cap_at: int, backend: str = "aot_eager"
+    reshard: bool,
+    regions: bool,
+    bf16_block: bool,
+    cap_at: int,
+    backend: str = "aot_eager",
+    eager_first: bool = False,
 ) -> dict[str, Any]:
     """test_graph's net (tied embedding and head in the root's group, 4 blocks, uneven rows),
     W=2: compiled whole beside our eager engine and the unsharded replica, 3 AdamW steps. The
     cap (every group in one bucket) comes before step ``cap_at`` on both sharded models (at
     1: step 0 traces without buckets, step 1 again with them); block 1 gathers in bf16 if
-    ``bf16_block``."""
+    ``bf16_block``; with ``eager_first`` step 0 runs the sharded model eagerly, so that the
+    graph path plans its buckets from the order that step recorded."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False, blocks=4)
@@ -375,7 +381,8 @@ def _compiled_with_cap(
                 model.set_bucket_cap_mb(ALL)
                 eager.set_bucket_cap_mb(ALL)
             tokens, targets = _batch(step, 4)
-            for call, optim in zip((run, eager, reference), optims, strict=True):
+            first = model if eager_first and step == 0 else run
+            for call, optim in zip((first, eager, reference), optims, strict=True):
                 rows = slice(None) if call is reference else slice(2 * rank, 2 * rank + 2)
                 loss_fn(call(tokens[rows]), targets[rows]).backward()
                 optim.step()
@@ -398,10 +405,11 @@ def _compiled_with_cap(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    ("reshard", "regions", "cap_at"), [(True, True, 1), (False, True, 0), (False, False, 0)]
+    ("reshard", "regions", "cap_at", "eager_first"),
+    [(True, True, 1, False), (False, True, 0, False), (False, False, 0, True)],
 )
 def test_the_one_graph_has_one_collective_per_bucket(
-    reshard: bool, regions: bool, cap_at: int, backend: str
+    reshard: bool, regions: bool, cap_at: int, eager_first: bool, backend: str
 ) -> None:
     """Buckets in the traced graph: the same training as eager with the same cap and as the
     unsharded model (1e-5), and one all-gather and one reduce-scatter (gloo: an all-to-all)
@@ -409,13 +417,14 @@ def test_the_one_graph_has_one_collective_per_bucket(
     not, so the root is a bucket of its own and the blocks' bucket gathers again in backward.
     A cap set after the first compiled step recompiles once. With regions on, blocks that
     reshard are traced inline (their bucket's gather would otherwise be kept until backward);
-    blocks that keep their parameters share one region that takes them gathered."""
+    blocks that keep their parameters share one region that takes them gathered. After an
+    eager first step the buckets follow the order it recorded (the same here)."""
     f32 = torch.float32
-    case = (reshard, regions, False, cap_at, backend)
+    case = (reshard, regions, False, cap_at, backend, eager_first)
     for r in run_distributed(_compiled_with_cap, 2, *case, timeout=300):
         assert max(r["diffs"]) < 1e-5, r["diffs"]
         assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
-        assert r["frames"] == ([1, 2, 2] if cap_at else [1, 1, 1])
+        assert r["frames"] == ([1, 2, 2] if cap_at else [0, 1, 1] if eager_first else [1] * 3)
         assert r["regions"] == ([4] if regions and not reshard else [])
         if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
             continue
