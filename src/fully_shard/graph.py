@@ -276,9 +276,9 @@ class GraphRun:
     # set_bucket_cap_mb: each group's run (_graph_buckets, by place); the gathered tensors of
     # the groups whose run gathered them before their module was called; the places a run
     # gathered.
-    bucket_of: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = ()
-    pending: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    taken: set[tuple[int, int]] = field(default_factory=set)
+    bucket_of: BucketPlan = ()
+    pending: dict[Place, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    taken: set[Place] = field(default_factory=set)
 
 
 def _refuse(group: ParamGroup, what: str, instead: str) -> None:
@@ -912,12 +912,12 @@ def _graph_bytes(group: ParamGroup) -> int:
 
 Place = tuple[int, int]
 """A group under the root: its state's index in ``RootContext.states``, its index there."""
+BucketPlan = tuple[tuple[tuple[Place, ...], ...], ...]
+"""Per state under the root, per group: the places of its run, or ``()`` (no bucket)."""
 
 
 @assume_constant_result
-def _graph_buckets(
-    state: FSDPState, *caps: int | None
-) -> tuple[tuple[tuple[Place, ...], ...], ...]:
+def _graph_buckets(state: FSDPState, *caps: int | None) -> BucketPlan:
     """For each state under ``state``'s root, for each of its groups: its run, if it is in a
     run of several, else ``()`` (``caps``, every state's ``bucket_cap``, is passed so that
     dynamo guards on each). Places, not groups: a group held by a constant has no source for
