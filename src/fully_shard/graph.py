@@ -43,6 +43,11 @@ structure (:func:`_region_call`; what makes a structure: :mod:`fully_shard.regio
 first step's compilation grows little with the depth. ``set_compile_region(False)`` traces a
 block inline instead.
 
+With ``set_bucket_cap_mb`` on the root, runs of consecutive groups gather with one all-gather
+and reduce with one reduce-scatter in the graph, as the eager engine's buckets do
+(:class:`_GatherBucket`; the rules, and how buckets meet regions, are in the section "buckets
+in the graph" at the end of this module).
+
 Python facts (the options, the layouts, the process groups) are read once, when dynamo
 traces, by functions it calls as constants (:func:`_plan_for`); dynamo guards on the options
 they depend on, so ``set_requires_gradient_sync`` and the other setters recompile once per
