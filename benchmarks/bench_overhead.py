@@ -11,6 +11,11 @@ rank, ``torch.optim.SGD(foreach=True)``. One step is forward, an MSE loss, backw
 * ``ours-buckets`` (with ``--bucket-cap-mb``) -- the same, with ``set_bucket_cap_mb``: the
   groups' collectives merged into buckets (:mod:`fully_shard.bucket`);
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
+* with ``--compile [BACKEND]`` (``inductor`` if no backend is named), ``ours`` and
+  ``ours-buckets`` run ``torch.compile(model, fullgraph=True)`` of the sharded model: the
+  graph path (:mod:`fully_shard.graph`), every collective in the one graph, one all-gather and
+  one reduce-scatter per bucket with the cap. The warm-up steps compile (untimed); the others
+  stay eager;
 * ``plain`` (W = 1) -- the model itself, no wrapper: the floor;
 * ``ddp`` (W >= 2) -- ``DistributedDataParallel``: the floor with gradient synchronisation.
 
@@ -44,6 +49,7 @@ The last line printed is one JSON object with every number.
 Example:
     $ python benchmarks/bench_overhead.py --nproc 1,2
     $ python benchmarks/bench_overhead.py --nproc 1 --blocks 48 --steps 100 --profile 25
+    $ python benchmarks/bench_overhead.py --nproc 2 --impls ours,floor --bucket-cap-mb 25 --compile
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class RunOptions:
     lr: float
     profile: int
     bucket_cap_mb: float | None = None  # ours-buckets
+    compile: str | None = None  # torch.compile's backend for ours and ours-buckets, or None
 
 
 def floor_of(world: int) -> str:
@@ -131,6 +138,10 @@ def build(impl: str, opts: RunOptions, mesh: DeviceMesh) -> tuple[nn.Module, tor
         shard(model, mesh=mesh)
         if impl == "ours-buckets":
             model.set_bucket_cap_mb(opts.bucket_cap_mb)  # type: ignore[operator]
+        if opts.compile is not None and impl != "fsdp2":
+            # The compiled module shares the sharded one's parameters (the optimizer's).
+            compiled = torch.compile(model, backend=opts.compile, fullgraph=True)
+            return compiled, torch.optim.SGD(model.parameters(), lr=opts.lr, foreach=True)  # type: ignore[return-value]
     elif impl == "ddp":
         model = DistributedDataParallel(model)
     elif impl != "plain":
@@ -362,12 +373,14 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_report(s: dict[str, Any], load: tuple[float, float]) -> None:
     cfg = s["config"]
+    compiled = "" if cfg["compile"] is None else f", ours compiled whole ({cfg['compile']})"
     print(
         f"\n== bench_overhead: {cfg['blocks']} blocks of [Linear(16, 16), ReLU], "
         f"{cfg['groups']} groups, W={cfg['world']} (gloo, 1 thread/rank, "
         f"{s['machine']['cpus']} CPUs seen), batch {cfg['batch']}/rank, SGD foreach; "
         f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps (rounds of {cfg['round_steps']}); "
         f"torch {s['machine']['torch']}; load average {load[0]:.2f} before, {load[1]:.2f} after"
+        f"{compiled}"
     )
     header = (
         f"{'implementation':<20}{'step ms: median [p25-p75]':>28}{'py calls':>10}"
@@ -429,6 +442,15 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
         default=None,
         help="also run ours-buckets (next to ours) with set_bucket_cap_mb(this many MiB)",
     )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="run ours (and ours-buckets) as torch.compile(model, fullgraph=True) with this "
+        "backend (default inductor): the graph path",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
@@ -470,6 +492,7 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
             lr=args.lr,
             profile=args.profile,
             bucket_cap_mb=args.bucket_cap_mb,
+            compile=args.compile,
         )
         for w in worlds
     ]
