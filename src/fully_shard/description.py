@@ -107,6 +107,8 @@ class GroupDescription:
         native_avg: the backend has an AVG op (NCCL); gloo sums and divides.
         sync, reduce_unused, unshard_in_backward: the options of the same names
             (``requires_gradient_sync``, ``reduce_scatter_unused_params``).
+        input_dtype: the dtype the group's module's floating-point forward inputs are cast
+            to (``MixedPrecisionPolicy.forward_input_dtype``), or ``None`` to leave them.
 
     Example:
         >>> group.description.reduction.reduce_scatter.op  # doctest: +SKIP
@@ -135,6 +137,7 @@ class GroupDescription:
     sync: bool
     reduce_unused: bool
     unshard_in_backward: bool
+    input_dtype: torch.dtype | None
 
 
 def _slot(p: ShardedParam) -> ParamSlot:
@@ -228,6 +231,7 @@ def describe(params: list[ShardedParam], info: MeshInfo, config: GroupConfig) ->
         sync=config.requires_gradient_sync,
         reduce_unused=config.reduce_scatter_unused_params,
         unshard_in_backward=config.unshard_in_backward,
+        input_dtype=config.mp_policy.forward_input_dtype(),
     )
 
 

@@ -390,9 +390,10 @@ CONFIG_FIELDS: dict[str, str] = {
     "reshard_after_forward": "honoured",  # the gather recomputed in backward, or kept
     "reshard_after_backward": "no effect",  # every traced forward gathers anew
     "requires_gradient_sync": "described",
-    # the input and output casts; the dtypes each parameter gathers and reduces in are its own
-    # policy's, fixed by fully_shard, and in the description
-    "mp_policy": "honoured",
+    # the input cast is in the description; the output cast is read when a forward is traced;
+    # the dtypes each parameter gathers and reduces in are its own policy's, fixed by
+    # fully_shard, and in the description
+    "mp_policy": "described",
     "quantization_policy": "refused",  # int8 gathers
     "offload_policy": "refused",
     "post_forward": "refused",  # reshard_after_forward=<int>
@@ -416,9 +417,8 @@ CONFIG_FIELDS: dict[str, str] = {
 # on each value (a bool by value, an object by identity): set_requires_gradient_sync replaces
 # the config object, and a guard on that identity would recompile at every flip instead of
 # once per value.
-_CONFIG_FIELDS = (
-    *(name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")),
-    "mp_policy",
+_CONFIG_FIELDS = tuple(
+    name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")
 )
 
 

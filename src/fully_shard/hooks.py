@@ -499,7 +499,7 @@ class FSDPState:
                 if not it.modules_to_run:
                     self._start_forward(ctx, module)
             it.forward_depth += 1
-            input_dtype = group.config.mp_policy.forward_input_dtype()
+            input_dtype = group.description.input_dtype
             if input_dtype is not None:
                 args, kwargs = _cast_floating((args, kwargs), input_dtype)
             if torch.is_grad_enabled():
@@ -581,8 +581,8 @@ class FSDPState:
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        input_dtype = self.config.mp_policy.forward_input_dtype()
-        if input_dtype is None:
+        input_dtype = self.config.mp_policy.forward_input_dtype()  # traced: the policy, not the
+        if input_dtype is None:  # description, is what the graph path guards on
             return args, kwargs
         return _cast_floating((args, kwargs), input_dtype)  # type: ignore[no-any-return]
 
