@@ -70,7 +70,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -173,18 +173,34 @@ def train_step(
     return loss.item()
 
 
+# The library's own source files: the journey of a step is the part of its calls made there.
+_PACKAGE_DIR = os.path.dirname(fs.__file__) + os.sep
+
+
 class CallCounter:
-    """Counts ``call`` and ``c_call`` events of ``sys.setprofile`` on this thread."""
+    """Counts ``call`` and ``c_call`` events of ``sys.setprofile`` on this thread, and keeps
+    the library's functions the ``call`` events entered (the step's journey through it)."""
 
     def __init__(self) -> None:
         self.py = 0
         self.c = 0
+        self.ours: set[CodeType] = set()
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
         if event == "call":
             self.py += 1
+            if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+                self.ours.add(frame.f_code)
         elif event == "c_call":
             self.c += 1
+
+    def journey(self) -> dict[str, list[str]]:
+        """The library's functions entered, by file (relative to the package)."""
+        by_file: dict[str, set[str]] = {}
+        for code in self.ours:
+            name = os.path.relpath(code.co_filename, _PACKAGE_DIR)
+            by_file.setdefault(name, set()).add(code.co_name)
+        return {f: sorted(names) for f, names in sorted(by_file.items())}
 
     @property
     def total(self) -> int:
@@ -212,7 +228,13 @@ def count_calls(
         name: {"py": b[0] - a[0], "c": b[1] - a[1], "total": sum(b) - sum(a)}
         for name, a, b in zip(PHASES, bounds[:-1], bounds[1:], strict=True)
     }
-    return {"py": counter.py, "c": counter.c, "total": counter.total, "phases": phases}
+    return {
+        "py": counter.py,
+        "c": counter.c,
+        "total": counter.total,
+        "phases": phases,
+        "journey": counter.journey(),
+    }
 
 
 def profile_step(
@@ -415,6 +437,12 @@ def print_report(s: dict[str, Any], load: tuple[float, float]) -> None:
             f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, Python calls per "
             f"step {r['calls_per_step']:.2f}x, in optimizer.step() {r['step_calls']:.2f}x"
         )
+    for impl, r in s["impls"].items():
+        journey = r["calls_per_step"]["journey"]
+        if journey:  # fully_shard's own functions on one step (rank 0): the reading path
+            n = sum(map(len, journey.values()))
+            files = ", ".join(f"{f} {len(fns)}" for f, fns in journey.items())
+            print(f"{LABELS[impl]}: one step enters {len(journey)} files, {n} functions ({files})")
     if s["profile_rank0"]:
         print(f"cProfile of one step of ours, rank 0:\n{s['profile_rank0']}")
 

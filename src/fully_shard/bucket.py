@@ -45,11 +45,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._compat import set_grad_enabled
+from ._compat import profiler_enabled, set_grad_enabled
 from .collectives import TorchComm, Waitable, divide_
 from .description import GroupDescription, offsets
 from .group import GroupState, ParamGroup, SharedReduce
-from .observer import CollectiveCall, issue_observed
+from .observer import JOB_WIDE, CollectiveCall, issue_observed
 from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grad
 from .param import ShardedParam
 
@@ -327,6 +327,12 @@ class Buckets:
             run.parked = {}
 
 
+def _unwatched(group: ParamGroup) -> bool:
+    """Nobody to tell of a collective issued for ``group``: it goes straight to the comm (as
+    ``ParamGroup``'s own do; the profiler labels would issue it as it is)."""
+    return group.observers is group.unwatched and not (JOB_WIDE.observers or profiler_enabled())
+
+
 def _gather(members: list[ParamGroup], async_op: bool) -> None:
     """One all-gather for ``members``: each one's plain shards at its offset in every row."""
     descs = [m.description for m in members]
@@ -353,13 +359,16 @@ def _gather(members: list[ParamGroup], async_op: bool) -> None:
     finally:
         set_grad_enabled(grad_was)
     comm, group = members[0].comm, first.shard_group
-    work = _Once(
-        issue_observed(
-            members[0],
-            CollectiveCall("all_gather", mine, group),
-            lambda: comm.all_gather(output, mine, group, async_op),
+    if _unwatched(members[0]):
+        work = _Once(comm.all_gather(output, mine, group, async_op))
+    else:
+        work = _Once(
+            issue_observed(
+                members[0],
+                CollectiveCall("all_gather", mine, group),
+                lambda: comm.all_gather(output, mine, group, async_op),
+            )
         )
-    )
     start = 0
     for m, d, sent in zip(members, descs, inputs, strict=True):
         m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent)
@@ -407,11 +416,14 @@ def _issue(run: _ReduceRun) -> None:
     del parked
     output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
     comm, group, rs = issuer.comm, desc.reduce_group, desc.reduction.reduce_scatter
-    work = issue_observed(
-        issuer,
-        CollectiveCall("reduce_scatter", flat_in, group),
-        lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
-    )
+    if _unwatched(issuer):
+        work = comm.reduce_scatter(output, flat_in, group, rs, async_op=True)
+    else:
+        work = issue_observed(
+            issuer,
+            CollectiveCall("reduce_scatter", flat_in, group),
+            lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
+        )
     pending = _BucketReduce(_Once(work), output, flat_in, desc, issuer, members)
     shared = SharedReduce(pending.work, pending.finish)
     pending.shared = shared
