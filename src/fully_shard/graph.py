@@ -322,6 +322,13 @@ def check_traceable(group: ParamGroup) -> None:
             "a tool watches its collectives (fully_shard.debug's checker, a trace recorder)",
             "Turn the tool off for the compiled run, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
         )
+    if group.persistent:
+        _refuse(
+            group,
+            f"{group.persistent[0].fqn!r} is kept whole on every rank "
+            "(param_persistence_threshold), which the traced gather does not show the module",
+            "Pass param_persistence_threshold=None, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+        )
     quant = config.quantization_policy
     for p in group.params:
         if p.gather_format(quant) is not PLAIN:

@@ -63,6 +63,7 @@ from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .group import GroupConfig, GroupState, ParamGroup
 from .observer import SpanKind
 from .param import ShardedParam
+from .persist import PersistentParam, all_reduce_kept_whole
 
 
 class Phase(enum.Enum):
@@ -386,8 +387,13 @@ class FSDPState:
 
     @property
     def params(self) -> list[ShardedParam]:
-        """Every managed parameter of the state, group by group."""
+        """Every sharded parameter of the state, group by group."""
         return [p for group in self.groups for p in group.params]
+
+    @property
+    def persistent(self) -> list[PersistentParam]:
+        """Every parameter the state keeps whole (``param_persistence_threshold``)."""
+        return [p for group in self.groups for p in group.persistent]
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """:meth:`ParamGroup.sharded_versions` of every group, concatenated."""
@@ -946,6 +952,8 @@ class FSDPState:
         """Wait for the reductions in flight (``wait``), reshard, start the next iteration."""
         if ctx.buckets is not None:
             ctx.buckets.flush()  # buckets whose last group's backward did not come
+        # The persistent parameters' gradients of the whole model: one all-reduce per step.
+        all_reduce_kept_whole([g for state in ctx.states for g in state.groups])
         if wait:
             for state in ctx.states:
                 for group in state.groups:

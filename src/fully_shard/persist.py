@@ -1,0 +1,316 @@
+"""Small parameters kept whole: the third placement beside ``Shard`` (DeepSpeed's persistence).
+
+``fully_shard(..., param_persistence_threshold=n)`` keeps every parameter of fewer than ``n``
+elements (norm weights, biases, gates, scalars) whole on every rank instead of sharding it.
+Gathering such a parameter costs a collective's latency for a handful of bytes, and its
+shard saves almost nothing; kept whole it costs its full size on every rank (and its
+optimizer state, replicated) and is never gathered. The tensors of one such parameter ``P``::
+
+    local           P's shape        the whole tensor, on the compute device, in the
+                                     parameter's dtype; what the optimizer steps (through
+                                     sharded_param, whose local tensor it is)
+    sharded_param   nn.Parameter(DTensor(local, Replicate() on every mesh dim))
+                                     what the module, the optimizer, state_dict() and DCP
+                                     see outside forward and backward (the name is the
+                                     group's: it is the registered, not the gathered, side)
+    unsharded_param nn.Parameter, P's shape, in the compute dtype
+                                     what the module sees during forward and backward: a
+                                     leaf over local's own storage when the compute dtype is
+                                     local's (nothing copied, ever), else a cast copy
+                                     refreshed when local changed (an optimizer step)
+
+Gradients are never reduce-scattered. At its group's post-backward each gradient moves
+(cast to the reduce dtype) into ``pending_grad``, a local unreduced sum that gradient
+accumulation with sync off keeps adding to; with sync on the group marks itself ready, and
+at the end of backward :func:`all_reduce_kept_whole` flattens the pending gradients of every
+ready group of the model, per process groups, dtype and divisor, into one buffer: one
+all-reduce (two on HSDP: the shard dim, then the replicas) per step for all of them. The
+result, divided as the group's reduction divides (the data-parallel size, or
+``gradient_divide_factor``), becomes ``sharded_param.grad``, a ``Replicate`` DTensor, so
+``clip_grad_norm_`` counts it once.
+
+Example:
+    >>> fully_shard(model, param_persistence_threshold=4096)  # doctest: +SKIP
+    >>> model._fsdp_state.groups[0].persistent  # doctest: +SKIP
+    [PersistentParam(norm.weight, (64,), Replicate@dp, SHARDED)]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from ._compat import (
+    grad_dtype,
+    post_accumulate_grad_hooks,
+    set_grad_dtype,
+    set_grad_enabled,
+    version,
+)
+from .collectives import SUM, divide_
+from .mesh import MeshInfo
+from .observer import CollectiveCall, issue_observed
+from .policies import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from .group import ParamGroup
+
+
+def is_persistent(param: nn.Parameter, threshold: int | None) -> bool:
+    """Whether ``param`` stays whole under ``param_persistence_threshold=threshold``.
+
+    A tensor-parallel (or SPMD) DTensor keeps being sharded: its TP placement would have to
+    be carried through forward as well, which this placement does not do yet.
+
+    Example:
+        >>> is_persistent(nn.Parameter(torch.ones(8)), 16)
+        True
+    """
+    return threshold is not None and param.numel() < threshold and not isinstance(param, DTensor)
+
+
+@dataclass(frozen=True)
+class KeptWhole:
+    """What a group's persistent parameters need of the end-of-backward all-reduce (part of
+    its :class:`~fully_shard.description.GroupDescription`).
+
+    Attributes:
+        fqns: the persistent parameters, in group order.
+        compute_dtypes: the dtype each is computed in (its ``param_dtype``).
+        groups: the process groups the gradients are summed over, in order: the shard group,
+            then (HSDP) the replicate group; together every data-parallel rank.
+        pre_divide, post_divide: the divisions before the sums (part of it where the
+            reduce dtype could overflow, as the group's reduce-scatter splits it) and after,
+            so that the result is the sum over the data-parallel ranks divided by
+            ``gradient_divide_factor`` (default: their number), as the group's sharded
+            gradients are.
+
+    Example:
+        >>> group.description.kept_whole.post_divide  # doctest: +SKIP
+        2.0
+    """
+
+    fqns: tuple[str, ...]
+    compute_dtypes: tuple[torch.dtype, ...]
+    groups: tuple[dist.ProcessGroup, ...]
+    pre_divide: float | None
+    post_divide: float | None
+
+
+class PersistentParam:
+    """One parameter kept whole on every rank (``param_persistence_threshold``).
+
+    Example:
+        >>> pp = group.persistent[0]  # doctest: +SKIP
+        >>> pp  # doctest: +SKIP
+        PersistentParam(norm.weight, (64,), Replicate@dp, SHARDED)
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        slots: list[tuple[nn.Module, str]],
+        fqn: str,
+        info: MeshInfo,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.fqn = fqn
+        self.slots = slots
+        self.info = info
+        self.mp_policy = mp_policy
+        self.sharded_grad_dtype = grad_dtype(param)
+        self.placements = tuple(Replicate() for _ in range(info.mesh.ndim))
+        with torch.no_grad():
+            if param.device.type == "meta":
+                local = torch.empty_like(param, device="meta")
+            else:
+                # A copy: the module's own tensor is left to the caller, as a sharded one is.
+                local = param.detach().to(info.device, copy=True)
+            dt = DTensor.from_local(local, info.mesh, self.placements, run_check=False)
+        self.sharded_param = nn.Parameter(dt, requires_grad=param.requires_grad)
+        self._local = self._own_local()
+        self.unsharded_param: nn.Parameter | None = None
+        # The cast copy's .data (its own version counter: refreshing it between forward and
+        # backward does not trip autograd's check of the tensors forward saved), and the
+        # version of local it was copied from.
+        self._alias: torch.Tensor | None = None
+        self._copied: tuple[int, int] = (0, -1)
+        # This rank's unreduced gradient sum, in the reduce dtype, until an all-reduce takes it.
+        self.pending_grad: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        names = self.info.mesh.mesh_dim_names
+        where = "x".join(names) if names else f"{self.info.mesh.ndim}-D mesh"
+        module, name = self.slots[0]
+        state = "UNSHARDED" if module._parameters[name] is self.unsharded_param else "SHARDED"
+        shape = tuple(self._local.shape)
+        return f"PersistentParam({self.fqn}, {shape}, Replicate@{where}, {state})"
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded_param.requires_grad
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The whole tensor the optimizer steps (the DTensor's local tensor)."""
+        return self._local
+
+    def _own_local(self) -> torch.Tensor:
+        with torch.no_grad():
+            # cast: nn.Parameter hides that it wraps a DTensor
+            return cast(DTensor, self.sharded_param).to_local()
+
+    def sync_with_module(self) -> None:
+        """Adopt a parameter ``Module._apply`` replaced (``to_empty()``, ``to(dtype)``)."""
+        module, name = self.slots[0]
+        current: object = module._parameters[name]
+        if isinstance(current, DTensor) and current is not cast(object, self.sharded_param):
+            if not isinstance(current, nn.Parameter):
+                current = nn.Parameter(current, requires_grad=self.requires_grad)
+            self.sharded_param = current
+        self._local = self._own_local()
+        self.register(self.sharded_param)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make every slot (a tied parameter has several) show ``tensor``."""
+        for module, name in self.slots:
+            module._parameters[name] = tensor  # type: ignore[assignment]  # a Parameter or DTensor Parameter
+
+    def show(self) -> None:
+        """Show the module the whole tensor in its compute dtype (the group's unshard)."""
+        local = self._local
+        dtype = self.mp_policy.compute_dtype(local.dtype)
+        param = self.unsharded_param
+        if dtype == local.dtype:
+            if param is None:
+                param = self.unsharded_param = nn.Parameter(local.detach())
+            elif param.untyped_storage().data_ptr() != local.untyped_storage().data_ptr() or (
+                param.dtype != dtype or param.shape != local.shape
+            ):
+                param.data = local.detach()  # _apply replaced local: the same Parameter over it
+        else:
+            stamp = (id(local), version(local))
+            if param is None or param.dtype != dtype or param.shape != local.shape:
+                with torch.no_grad():
+                    copy = local.to(dtype)
+                if param is None:
+                    param = self.unsharded_param = nn.Parameter(copy)
+                    # Gradients accumulate in the reduce dtype (as the sharded ones' do), where
+                    # this torch has Tensor.grad_dtype; else they are cast as they are kept.
+                    set_grad_dtype(param, self.mp_policy.reduce_dtype_for(local.dtype))
+                else:
+                    param.data = copy
+                self._alias, self._copied = param.data, stamp
+            elif stamp != self._copied and self._alias is not None:
+                with torch.no_grad():
+                    self._alias.copy_(local)  # the optimizer stepped since the last copy
+                self._copied = stamp
+        param.requires_grad_(self.sharded_param.requires_grad)
+        self.register(param)
+
+    def hide(self) -> None:
+        """Show the ``Replicate`` DTensor again (the group's reshard)."""
+        self.register(self.sharded_param)
+
+    def keep_grad(self, reduce_dtype: torch.dtype) -> bool:
+        """Move this backward's gradient into :attr:`pending_grad`; whether one is pending."""
+        param = self.unsharded_param
+        grad = None if param is None else param.grad
+        if param is not None:
+            param.grad = None
+        if grad is not None:
+            grad = grad.detach()
+            if self.pending_grad is None:
+                self.pending_grad = grad.to(reduce_dtype)  # ours now: param.grad let it go
+            else:
+                self.pending_grad.add_(grad)
+        return self.pending_grad is not None
+
+    def accumulate_grad(self, reduced: torch.Tensor) -> None:
+        """Add ``reduced`` (the all-reduced gradient, P's shape) into ``sharded_param.grad``."""
+        local = self._local
+        reduced = reduced.to(dtype=self.sharded_grad_dtype or local.dtype, device=local.device)
+        grad = self.sharded_param.grad
+        if grad is None:
+            dt = DTensor.from_local(reduced, self.info.mesh, self.placements, run_check=False)
+            self.sharded_param.grad = dt
+        else:
+            cast(DTensor, grad).to_local().add_(reduced)
+        for hook in post_accumulate_grad_hooks(self.sharded_param):
+            hook(self.sharded_param)
+
+
+def all_reduce_kept_whole(groups: Sequence[ParamGroup]) -> None:
+    """The end of backward: all-reduce the pending gradients of every ready group's persistent
+    parameters, one flat buffer per (process groups, reduce dtype, divisor), and add the
+    results into their ``Replicate`` gradients.
+
+    Every rank sees the same groups ready in the same order (the post-backwards ran on
+    every rank), and packs the same parameters as long as the same ones got a gradient, the
+    rule the sharded gradients' layouts follow too.
+
+    Example:
+        >>> all_reduce_kept_whole(model._fsdp_state.groups)  # doctest: +SKIP
+    """
+    buckets: dict[tuple[object, ...], list[tuple[ParamGroup, PersistentParam]]] = {}
+    for group in groups:
+        if not group.persistent_ready:
+            continue
+        group.persistent_ready = False
+        desc = group.description
+        kept = desc.kept_whole
+        if kept is None:
+            continue
+        key = (*kept.groups, desc.reduce_dtype, kept.pre_divide, kept.post_divide)
+        members = buckets.setdefault(key, [])
+        members.extend((group, p) for p in group.persistent if p.pending_grad is not None)
+    grad_was = torch.is_grad_enabled()
+    set_grad_enabled(False)  # data, as every reduction: never recorded
+    try:
+        for members in buckets.values():
+            if members:
+                _all_reduce_one(members)
+    finally:
+        set_grad_enabled(grad_was)
+
+
+def _all_reduce_one(members: list[tuple[ParamGroup, PersistentParam]]) -> None:
+    owner = members[0][0]
+    desc = owner.description
+    kept = desc.kept_whole
+    if kept is None:
+        raise RuntimeError("a kept-whole bucket without a plan (internal error)")
+    grads = [p.pending_grad for _, p in members if p.pending_grad is not None]
+    # (sum of numels,) in the reduce dtype; a new buffer even for one gradient, which the
+    # results are read back out of while the pending sums are dropped.
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    divide_(flat, kept.pre_divide)
+    comm = owner.comm
+    for pg in kept.groups:
+        if pg.size() > 1:
+            issue_observed(
+                owner,
+                CollectiveCall("all_reduce", flat, pg),
+                functools.partial(comm.all_reduce, flat, pg, SUM, async_op=False),
+            )
+    divide_(flat, kept.post_divide)
+    start = 0
+    for _, p in members:
+        grad = p.pending_grad
+        p.pending_grad = None
+        if grad is None:
+            continue
+        n = grad.numel()
+        p.accumulate_grad(flat[start : start + n].view(grad.shape))
+        start += n
