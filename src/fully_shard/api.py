@@ -743,7 +743,8 @@ def _plan_params(
         if p.dim() == 0 and not persistent:
             raise FullyShardValueError(
                 f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape "
-                "it to (1,) or pass it in ignored_params"
+                "it to (1,), keep it whole on every rank (param_persistence_threshold=2 or "
+                "more) or pass it in ignored_params"
             )
         result = None if shard_placement_fn is None else shard_placement_fn(p)
         placement, param_info = resolver.resolve(result, fqn)

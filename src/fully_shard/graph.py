@@ -517,7 +517,7 @@ def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
 
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
     for group in state.groups:
-        if not group.params:
+        if not (group.params or group.persistent):  # kept-whole ones: refused by _plan_for
             continue
         fulls = _gather(group, reshard)
         for p, full in zip(group.params, fulls, strict=True):

@@ -139,7 +139,7 @@ class PersistentParam:
         self.unsharded_param: nn.Parameter | None = None
         # The cast copy's .data (its own version counter: refreshing it between forward and
         # backward does not trip autograd's check of the tensors forward saved), and the
-        # version of local it was copied from.
+        # (id, version) of the sharded parameter it was copied from.
         self._alias: torch.Tensor | None = None
         self._copied: tuple[int, int] = (0, -1)
         # This rank's unreduced gradient sum, in the reduce dtype, until an all-reduce takes it.
@@ -200,7 +200,10 @@ class PersistentParam:
             ):
                 param.data = local.detach()  # _apply replaced local: the same Parameter over it
         else:
-            stamp = (id(local), version(local))
+            # The DTensor's own version counter: in-place ops on it (the optimizer's) bump it,
+            # not its local tensor's.
+            sharded = self.sharded_param
+            stamp = (id(sharded), version(sharded))
             if param is None or param.dtype != dtype or param.shape != local.shape:
                 with torch.no_grad():
                     copy = local.to(dtype)
