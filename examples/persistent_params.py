@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from toy import ToyLM, batch, log, loss_fn
 from torch.distributed.tensor import Replicate
+from toy import ToyLM, batch, log, loss_fn
 
 from fully_shard import CountingComm, fully_shard, init_distributed
 
