@@ -214,6 +214,9 @@ class RootContext:
     buckets: Buckets | None = None
     buckets_dirty: bool = True
     bucket_signature: list[Any] = field(default_factory=list)
+    # Whether any group keeps parameters whole (param_persistence_threshold), read at the end
+    # of every backward: which parameters those are is fixed when fully_shard builds them.
+    kept_whole: bool = False
 
     @property
     def in_backward(self) -> bool:
@@ -448,6 +451,7 @@ class FSDPState:
                     ctx.states.append(state)
         if self not in ctx.states:
             ctx.states.insert(0, self)
+        ctx.kept_whole = any(g.persistent for state in ctx.states for g in state.groups)
         for state in ctx.states:
             state.root = ctx
             state.is_root = state is self
@@ -952,8 +956,8 @@ class FSDPState:
         """Wait for the reductions in flight (``wait``), reshard, start the next iteration."""
         if ctx.buckets is not None:
             ctx.buckets.flush()  # buckets whose last group's backward did not come
-        # The persistent parameters' gradients of the whole model: one all-reduce per step.
-        all_reduce_kept_whole([g for state in ctx.states for g in state.groups])
+        if ctx.kept_whole:  # every kept-whole gradient of the model: one all-reduce per step
+            all_reduce_kept_whole([g for state in ctx.states for g in state.groups])
         if wait:
             for state in ctx.states:
                 for group in state.groups:
