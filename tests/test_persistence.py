@@ -41,8 +41,10 @@ from fully_shard import (
 )
 from harness import device_mesh, mesh_1d, run_distributed
 from models import ModelArgs, Transformer
+from tp_plan import apply_tp
 from parity import (
     assert_same,
+    assert_stats_within,
     check_parity,
     fsdp_gradient_sync,
     loss_fn,
@@ -187,6 +189,42 @@ def test_kept_whole_trains_like_the_unsharded_model_with_one_all_reduce(case: st
         assert len(placements) == 2 * 2 + 3
         assert set(placements.values()) == {(Replicate(),) * dims}, placements
         assert seen["counts"] == COUNTS[case], seen["counts"]
+
+
+# -- tensor parallel: the TP placement kept, Replicate on the dp dim ---------------------------
+
+
+def _tp_parity() -> dict[str, Any]:
+    root = device_mesh((2, 2), ("dp", "tp"))
+    args = ModelArgs(vocab_size=34, dim=16, n_layers=2, n_heads=4, ffn_hidden=34, max_seq_len=8)
+    held: list[nn.Module] = []
+
+    def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        assert isinstance(model, Transformer)
+        apply_tp(model, root["tp"])  # the norms: SequenceParallel (Replicate, Partial grads)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, param_persistence_threshold=THRESHOLD)
+        fully_shard(model, mesh=mesh, param_persistence_threshold=THRESHOLD)
+        held.append(model)
+
+    make_batch = functools.partial(make_token_batch, vocab_size=args.vocab_size, seq_len=6)
+    stats = check_parity(lambda: Transformer(args), shard, make_batch, root["dp"], steps=3)
+    placements = {
+        n: (p.device_mesh.mesh_dim_names, tuple(p.placements))
+        for n, p in held[0].named_parameters()
+        if n.endswith("norm.weight") or n == "layers.0.attention.wq.weight"
+    }
+    return {"stats": dict(stats), "placements": placements}
+
+
+def test_tensor_parallel_norms_kept_whole_on_the_dp_dim() -> None:
+    for seen in run_distributed(_tp_parity, 4):
+        assert_stats_within(seen["stats"], 1e-5)
+        placements = seen["placements"]
+        wq = placements.pop("layers.0.attention.wq.weight")
+        assert wq == (("dp", "tp"), (Shard(1), Shard(0))), wq  # sharded as without a threshold
+        assert len(placements) == 2 * 2 + 1
+        assert set(placements.values()) == {(("dp", "tp"), (Replicate(), Replicate()))}
 
 
 # -- mixed precision: like the same model without the threshold -------------------------------

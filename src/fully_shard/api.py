@@ -206,7 +206,9 @@ def fully_shard(
             state's) on every rank instead of ``1/W`` of it; saves its share of the
             all-gather and the reduce-scatter, and a group whose parameters are all kept
             whole issues no all-gather at all. A 0-dim parameter (a scalar) is kept whole
-            when the threshold is above 1. Tensor-parallel (DTensor) parameters and tensor
+            when the threshold is above 1. A tensor-parallel parameter (a DTensor on
+            ``root["tp"]``) kept whole keeps its TP placements and is ``Replicate()`` on the
+            dp dims; DTensors on the whole SPMD mesh (``dp_mesh_dims``) and tensor
             subclasses with their own all-gather are sharded as usual; the graph path
             (``torch.compile`` of the whole model) refuses kept-whole parameters. ``None``
             (the default) or 0 keeps nothing whole. See
@@ -403,7 +405,7 @@ def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
         post_forward = None if size is None else post_forward_subgroup(group.info, size)
         shard_device = call.offload_policy.shard_device(group.info.device)
         persistent = [
-            PersistentParam(plan.param, plan.slots, plan.fqn, group.info, plan.mp_policy)
+            PersistentParam(plan.param, plan.slots, plan.fqn, group.info, plan.mp_policy, plan.tp)
             for plan in group.plans
             if plan.persistent
         ]
@@ -738,7 +740,11 @@ def _plan_params(
 ) -> list[_ParamPlan]:
     resolver = MeshResolver(info)
     chosen: list[tuple[object, MeshInfo]] = []
-    whole = [is_persistent(p, threshold) and not has_extension(p) for p, _, _ in found]
+    # Small enough to keep whole (a DTensor on the whole SPMD mesh never is: is_persistent).
+    whole = [
+        threshold is not None and p.numel() < threshold and spmd is None and not has_extension(p)
+        for p, _, _ in found
+    ]
     for (p, fqn, _), persistent in zip(found, whole, strict=True):
         if p.dim() == 0 and not persistent:
             raise FullyShardValueError(
@@ -761,18 +767,17 @@ def _plan_params(
     for members in by_mesh.values():
         _check_one_dtensor_mesh(members)
     plans = []
-    for (p, fqn, slots), (placement, param_info), persistent in zip(
-        found, chosen, whole, strict=True
-    ):
-        if persistent:  # no shard dim to choose: the mesh is all shard_placement_fn decides
-            mp = mp_policy.for_param(p, repr(fqn))
-            plans.append(_ParamPlan(p, fqn, slots, 0, None, param_info, mp, persistent=True))
-            continue
+    for (p, fqn, slots), (placement, param_info), small in zip(found, chosen, whole, strict=True):
         tp: TPLayout | None = None
         if spmd is not None and isinstance(p, DTensor):
             tp = spmd_layout(spmd, p)
         elif isinstance(p, DTensor):
             tp = tp_layout(param_info, p, fqn)
+        if small and is_persistent(p, threshold, tp):
+            # No shard dim to choose: the mesh is all shard_placement_fn decides for it.
+            mp = mp_policy.for_param(p, repr(fqn))
+            plans.append(_ParamPlan(p, fqn, slots, 0, tp, param_info, mp, persistent=True))
+            continue
         dim = _shard_dim(p, fqn, placement, tp)
         if tp is not None:
             check_strided_split(tp, dim, param_info.shard_size, fqn)

@@ -32,7 +32,7 @@ result, divided as the group's reduction divides (the data-parallel size, or
 Example:
     >>> fully_shard(model, param_persistence_threshold=4096)  # doctest: +SKIP
     >>> model._fsdp_state.groups[0].persistent  # doctest: +SKIP
-    [PersistentParam(norm.weight, (64,), Replicate@dp, SHARDED)]
+    [PersistentParam(norm.weight, (64,), (Replicate())@dp, SHARDED)]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from ._compat import (
     grad_dtype,
@@ -55,25 +55,30 @@ from ._compat import (
     version,
 )
 from .collectives import SUM, divide_
-from .mesh import MeshInfo
+from .mesh import MeshInfo, contiguous_stride
 from .observer import CollectiveCall, issue_observed
 from .policies import MixedPrecisionPolicy
+from .spmd import TPLayout
 
 if TYPE_CHECKING:
     from .group import ParamGroup
 
 
-def is_persistent(param: nn.Parameter, threshold: int | None) -> bool:
-    """Whether ``param`` stays whole under ``param_persistence_threshold=threshold``.
+def is_persistent(param: nn.Parameter, threshold: int | None, tp: TPLayout | None) -> bool:
+    """Whether ``param`` (``tp``: its layout, if it is a DTensor) stays whole under
+    ``param_persistence_threshold=threshold``: fewer elements, counted globally (a
+    tensor-parallel parameter keeps its TP placement and is whole on the dp dims).
 
-    A tensor-parallel (or SPMD) DTensor keeps being sharded: its TP placement would have to
-    be carried through forward as well, which this placement does not do yet.
+    A DTensor on the whole SPMD mesh (``dp_mesh_dims``) keeps being sharded: its gradient's
+    placements on the dp dims are the batch's, which this placement does not reduce.
 
     Example:
-        >>> is_persistent(nn.Parameter(torch.ones(8)), 16)
+        >>> is_persistent(nn.Parameter(torch.ones(8)), 16, None)
         True
     """
-    return threshold is not None and param.numel() < threshold and not isinstance(param, DTensor)
+    if threshold is None or param.numel() >= threshold:
+        return False
+    return tp is None or not tp.dp_dims
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class PersistentParam:
     Example:
         >>> pp = group.persistent[0]  # doctest: +SKIP
         >>> pp  # doctest: +SKIP
-        PersistentParam(norm.weight, (64,), Replicate@dp, SHARDED)
+        PersistentParam(norm.weight, (64,), (Replicate())@dp, SHARDED)
     """
 
     def __init__(
@@ -120,38 +125,64 @@ class PersistentParam:
         fqn: str,
         info: MeshInfo,
         mp_policy: MixedPrecisionPolicy,
+        tp: TPLayout | None = None,
     ) -> None:
         self.fqn = fqn
         self.slots = slots
         self.info = info
         self.mp_policy = mp_policy
+        self.tp = tp
         self.sharded_grad_dtype = grad_dtype(param)
-        self.placements = tuple(Replicate() for _ in range(info.mesh.ndim))
+        # Replicate on every dp dim; a tensor-parallel parameter keeps its own placements on
+        # its dims (TPLayout.base), and its local tensor is its TP-local one.
+        self.placements: tuple[Placement, ...]
+        if tp is None:
+            self.mesh, self.placements = info.mesh, tuple(Replicate() for _ in info.mesh.shape)
+        else:
+            self.mesh, self.placements = tp.spmd, tp.base
+        self.global_size = param.size()
         with torch.no_grad():
-            if param.device.type == "meta":
-                local = torch.empty_like(param, device="meta")
+            source = param.to_local() if isinstance(param, DTensor) else param
+            if source.device.type == "meta":
+                local = torch.empty_like(source, device="meta")
             else:
                 # A copy: the module's own tensor is left to the caller, as a sharded one is.
-                local = param.detach().to(info.device, copy=True)
-            dt = DTensor.from_local(local, info.mesh, self.placements, run_check=False)
+                local = source.detach().to(info.device, copy=True)
+            dt = self._dtensor(local)
         self.sharded_param = nn.Parameter(dt, requires_grad=param.requires_grad)
         self._local = self._own_local()
         self.unsharded_param: nn.Parameter | None = None
-        # The cast copy's .data (its own version counter: refreshing it between forward and
-        # backward does not trip autograd's check of the tensors forward saved), and the
-        # (id, version) of the sharded parameter it was copied from.
+        # The plain tensor the module computes with (a TP parameter: the local tensor of the
+        # DTensor it is shown as): local itself, or its cast copy; the copy's .data (its own
+        # version counter: refreshing it between forward and backward does not trip
+        # autograd's check of the tensors forward saved); and the (id, version) of the
+        # sharded parameter it was copied from.
+        self._compute: torch.Tensor | None = None
         self._alias: torch.Tensor | None = None
         self._copied: tuple[int, int] = (0, -1)
         # This rank's unreduced gradient sum, in the reduce dtype, until an all-reduce takes it.
         self.pending_grad: torch.Tensor | None = None
 
+    def _dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` as the registered DTensor (or its gradient): Replicate on the dp dims."""
+        size = self.global_size
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=size,
+            stride=contiguous_stride(size),
+        )
+
     def __repr__(self) -> str:
-        names = self.info.mesh.mesh_dim_names
-        where = "x".join(names) if names else f"{self.info.mesh.ndim}-D mesh"
+        names = self.mesh.mesh_dim_names
+        where = "x".join(names) if names else f"{self.mesh.ndim}-D mesh"
         module, name = self.slots[0]
         state = "UNSHARDED" if module._parameters[name] is self.unsharded_param else "SHARDED"
         shape = tuple(self._local.shape)
-        return f"PersistentParam({self.fqn}, {shape}, Replicate@{where}, {state})"
+        placed = ", ".join(str(p) for p in self.placements)
+        return f"PersistentParam({self.fqn}, {shape}, ({placed})@{where}, {state})"
 
     @property
     def requires_grad(self) -> bool:
@@ -191,36 +222,59 @@ class PersistentParam:
         """Show the module the whole tensor in its compute dtype (the group's unshard)."""
         local = self._local
         dtype = self.mp_policy.compute_dtype(local.dtype)
+        compute = self._compute
+        # The DTensor's own version counter: in-place ops on it (the optimizer's) bump it, not
+        # its local tensor's.
+        sharded = self.sharded_param
+        stamp = (id(sharded), version(sharded))
+        if (
+            compute is None
+            or compute.dtype != dtype
+            or compute.shape != local.shape
+            or (dtype == local.dtype and compute.data_ptr() != local.data_ptr())
+        ):
+            self._make_compute(local, dtype, stamp)
+        elif stamp != self._copied and self._alias is not None:
+            with torch.no_grad():
+                self._alias.copy_(local)  # the optimizer stepped since the last copy
+            self._copied = stamp
         param = self.unsharded_param
-        if dtype == local.dtype:
-            if param is None:
-                param = self.unsharded_param = nn.Parameter(local.detach())
-            elif param.untyped_storage().data_ptr() != local.untyped_storage().data_ptr() or (
-                param.dtype != dtype or param.shape != local.shape
-            ):
-                param.data = local.detach()  # _apply replaced local: the same Parameter over it
-        else:
-            # The DTensor's own version counter: in-place ops on it (the optimizer's) bump it,
-            # not its local tensor's.
-            sharded = self.sharded_param
-            stamp = (id(sharded), version(sharded))
-            if param is None or param.dtype != dtype or param.shape != local.shape:
-                with torch.no_grad():
-                    copy = local.to(dtype)
-                if param is None:
-                    param = self.unsharded_param = nn.Parameter(copy)
-                    # Gradients accumulate in the reduce dtype (as the sharded ones' do), where
-                    # this torch has Tensor.grad_dtype; else they are cast as they are kept.
-                    set_grad_dtype(param, self.mp_policy.reduce_dtype_for(local.dtype))
-                else:
-                    param.data = copy
-                self._alias, self._copied = param.data, stamp
-            elif stamp != self._copied and self._alias is not None:
-                with torch.no_grad():
-                    self._alias.copy_(local)  # the optimizer stepped since the last copy
-                self._copied = stamp
-        param.requires_grad_(self.sharded_param.requires_grad)
+        if param is None:
+            raise RuntimeError(f"{self.fqn}: no unsharded parameter after show (internal error)")
+        param.requires_grad_(sharded.requires_grad)
         self.register(param)
+
+    def _make_compute(
+        self, local: torch.Tensor, dtype: torch.dtype, stamp: tuple[int, int]
+    ) -> None:
+        """(Re)make what the module computes with: the first time, and when ``_apply``
+        replaced the local tensor or the compute dtype changed (``model.to``)."""
+        with torch.no_grad():
+            if dtype == local.dtype:  # local's own storage: nothing copied, ever
+                compute, self._alias = local.detach(), None
+            else:
+                compute = local.to(dtype)
+                self._alias = compute.data
+        self._compute, self._copied = compute, stamp
+        tp = self.tp
+        shown = (
+            compute
+            if tp is None
+            else DTensor.from_local(
+                compute, tp.mesh, tp.placements, run_check=False, shape=tp.size, stride=tp.stride
+            )
+        )
+        param = self.unsharded_param
+        if param is None:
+            param = self.unsharded_param = nn.Parameter(shown)
+            if tp is None:
+                # Gradients accumulate in the reduce dtype (as the sharded ones' do), where this
+                # torch has Tensor.grad_dtype; else they are cast as they are kept.
+                reduce = self.mp_policy.reduce_dtype_for(local.dtype)
+                if reduce != dtype:
+                    set_grad_dtype(param, reduce)
+        else:
+            param.data = shown  # the same Parameter object: hooks on it stay
 
     def hide(self) -> None:
         """Show the ``Replicate`` DTensor again (the group's reshard)."""
@@ -232,6 +286,14 @@ class PersistentParam:
         grad = None if param is None else param.grad
         if param is not None:
             param.grad = None
+        if isinstance(grad, DTensor):
+            # A TP gradient can be Partial (a SequenceParallel norm's weight): summed over the
+            # TP ranks first, so that what is all-reduced is this rank's TP-local gradient.
+            if self.tp is not None:
+                target = self.tp.grad_placements(tuple(grad.placements))
+                if tuple(grad.placements) != target:
+                    grad = grad.redistribute(placements=target)
+            grad = grad.to_local()
         if grad is not None:
             grad = grad.detach()
             if self.pending_grad is None:
@@ -246,8 +308,7 @@ class PersistentParam:
         reduced = reduced.to(dtype=self.sharded_grad_dtype or local.dtype, device=local.device)
         grad = self.sharded_param.grad
         if grad is None:
-            dt = DTensor.from_local(reduced, self.info.mesh, self.placements, run_check=False)
-            self.sharded_param.grad = dt
+            self.sharded_param.grad = self._dtensor(reduced)
         else:
             cast(DTensor, grad).to_local().add_(reduced)
         for hook in post_accumulate_grad_hooks(self.sharded_param):
