@@ -41,7 +41,6 @@ from fully_shard import (
 )
 from harness import device_mesh, mesh_1d, run_distributed
 from models import ModelArgs, Transformer
-from tp_plan import apply_tp
 from parity import (
     assert_same,
     assert_stats_within,
@@ -51,6 +50,7 @@ from parity import (
     make_token_batch,
     snapshot,
 )
+from tp_plan import apply_tp
 
 # Keeps the norm weights (16), the head's bias (32) and the temperature () whole; the
 # smallest sharded parameter (wq, 16 x 16) has 256 elements.
