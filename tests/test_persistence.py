@@ -120,7 +120,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "frozen": ({"frozen": "layers.1."}, {}, {}),
     "tied": ({"tie_embeddings": True}, {}, {}),
     "checkpoint": ({"checkpoint": True}, {}, {}),
-    "hsdp": ({}, {"hsdp": True}, {}),
+    "hsdp": ({}, {"hsdp": (2, 1)}, {}),
+    "hsdp-2x2": ({}, {"hsdp": (2, 2)}, {}),
+    "reshard-int": ({}, {"reshard_after_forward": 2}, {}),
     "buckets": ({}, {"cap": 64.0}, {}),
     "norm-groups": ({}, {"norm_groups": True}, {}),
 }
@@ -139,6 +141,11 @@ COUNTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # (replicate 2, shard 1): nothing to gather or scatter; one all-reduce over the replicas
     # per group and one for the kept-whole gradients
     "hsdp": ({}, {"all_reduce": 4}),
+    # (replicate 2, shard 2): the kept-whole gradients are summed over the shard dim, then
+    # over the replicas
+    "hsdp-2x2": ({"all_gather": 3}, {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 5}),
+    # W = 4 resharded to pairs after forward: the root too, so backward gathers it again
+    "reshard-int": ({"all_gather": 3}, {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1}),
     "buckets": ({"all_gather": 1}, {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}),
     # the four norm groups gather nothing and reduce-scatter nothing
     "norm-groups": ({"all_gather": 3}, {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 1}),
@@ -148,7 +155,8 @@ COUNTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
 def _parity(case: str) -> dict[str, Any]:
     build_opts, shard_opts, parity_opts = CASES[case]
     shard_opts = dict(shard_opts)
-    mesh = device_mesh((2, 1), ("rep", "shard")) if shard_opts.pop("hsdp", False) else mesh_1d()
+    hsdp = shard_opts.pop("hsdp", None)
+    mesh = mesh_1d() if hsdp is None else device_mesh(hsdp, ("rep", "shard"))
     args = ModelArgs(n_layers=2, tie_embeddings=bool(build_opts.get("tie_embeddings")))
 
     def build() -> nn.Module:
@@ -181,10 +189,10 @@ def _parity(case: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kept_whole_trains_like_the_unsharded_model_with_one_all_reduce(case: str) -> None:
-    for seen in run_distributed(_parity, 2, case):
+    for seen in run_distributed(_parity, 4 if case in ("hsdp-2x2", "reshard-int") else 2, case):
         assert seen["stats"]["max_param_diff"] < 1e-5, seen["stats"]
         assert seen["stats"]["max_grad_diff"] < 1e-5, seen["stats"]
-        dims = 2 if case == "hsdp" else 1
+        dims = 2 if case.startswith("hsdp") else 1
         placements = seen["placements"]
         assert len(placements) == 2 * 2 + 3
         assert set(placements.values()) == {(Replicate(),) * dims}, placements

@@ -211,7 +211,6 @@ def _kept_whole(
     replicate = info.replicate_group
     return KeptWhole(
         fqns=tuple(p.fqn for p in persistent),
-        compute_dtypes=tuple(p.mp_policy.compute_dtype(p.orig_dtype) for p in persistent),
         groups=(info.shard_group,) if replicate is None else (info.shard_group, replicate),
         pre_divide=plan.reduce_scatter.pre_divide,
         post_divide=plan.post_divide,

@@ -9,7 +9,8 @@ optimizer state, replicated) and is never gathered. The tensors of one such para
     local           P's shape        the whole tensor, on the compute device, in the
                                      parameter's dtype; what the optimizer steps (through
                                      sharded_param, whose local tensor it is)
-    sharded_param   nn.Parameter(DTensor(local, Replicate() on every mesh dim))
+    sharded_param   nn.Parameter(DTensor(local, Replicate() on every dp mesh dim; a TP
+                                     parameter's own placements on its TP dims))
                                      what the module, the optimizer, state_dict() and DCP
                                      see outside forward and backward (the name is the
                                      group's: it is the registered, not the gathered, side)
@@ -17,7 +18,8 @@ optimizer state, replicated) and is never gathered. The tensors of one such para
                                      what the module sees during forward and backward: a
                                      leaf over local's own storage when the compute dtype is
                                      local's (nothing copied, ever), else a cast copy
-                                     refreshed when local changed (an optimizer step)
+                                     refreshed when local changed (an optimizer step);
+                                     a TP parameter's is a DTensor on its TP mesh over it
 
 Gradients are never reduce-scattered. At its group's post-backward each gradient moves
 (cast to the reduce dtype) into ``pending_grad``, a local unreduced sum that gradient
@@ -88,7 +90,6 @@ class KeptWhole:
 
     Attributes:
         fqns: the persistent parameters, in group order.
-        compute_dtypes: the dtype each is computed in (its ``param_dtype``).
         groups: the process groups the gradients are summed over, in order: the shard group,
             then (HSDP) the replicate group; together every data-parallel rank.
         pre_divide, post_divide: the divisions before the sums (part of it where the
@@ -103,7 +104,6 @@ class KeptWhole:
     """
 
     fqns: tuple[str, ...]
-    compute_dtypes: tuple[torch.dtype, ...]
     groups: tuple[dist.ProcessGroup, ...]
     pre_divide: float | None
     post_divide: float | None
@@ -181,7 +181,7 @@ class PersistentParam:
         module, name = self.slots[0]
         state = "UNSHARDED" if module._parameters[name] is self.unsharded_param else "SHARDED"
         shape = tuple(self._local.shape)
-        placed = ", ".join(str(p) for p in self.placements)
+        placed = ", ".join(repr(p) for p in self.placements)
         return f"PersistentParam({self.fqn}, {shape}, ({placed})@{where}, {state})"
 
     @property
