@@ -273,6 +273,29 @@ def test_mixed_precision_computes_in_param_dtype_and_trains_like_sharded() -> No
         assert seen["compute"] == torch.bfloat16
 
 
+def _twin_divide_factor() -> float:
+    """Each group's gradients summed (``set_gradient_divide_factor(1.0)``), not averaged."""
+    grads = []
+    for threshold in (None, THRESHOLD):
+        torch.manual_seed(0)
+        model = _Tempered(ModelArgs(), scalar=False)
+        _shard(model, mesh_1d(), threshold=threshold)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+        rank = torch.distributed.get_rank()
+        tokens, targets = make_token_batch(2, torch.Generator().manual_seed(rank))
+        loss_fn(model(tokens), targets).backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) == len(list(model.parameters()))
+    return max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
+
+
+def test_the_gradient_divide_factor_divides_kept_whole_gradients_too() -> None:
+    for diff in run_distributed(_twin_divide_factor, 2):
+        assert diff < 1e-6
+
+
 # -- state_dict, DCP across world sizes, clip_grad_norm_ ------------------------------------
 
 
