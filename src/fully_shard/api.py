@@ -740,9 +740,10 @@ def _plan_params(
 ) -> list[_ParamPlan]:
     resolver = MeshResolver(info)
     chosen: list[tuple[object, MeshInfo]] = []
-    # Small enough to keep whole (a DTensor on the whole SPMD mesh never is: is_persistent).
+    # Small enough to keep whole, before its layout is known (a DTensor on the whole SPMD
+    # mesh never is: is_persistent); decided below once it is.
     whole = [
-        threshold is not None and p.numel() < threshold and spmd is None and not has_extension(p)
+        spmd is None and is_persistent(p, threshold, None) and not has_extension(p)
         for p, _, _ in found
     ]
     for (p, fqn, _), persistent in zip(found, whole, strict=True):
