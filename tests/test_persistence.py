@@ -274,24 +274,29 @@ def test_mixed_precision_computes_in_param_dtype_and_trains_like_sharded() -> No
 
 
 def _twin_divide_factor() -> float:
-    """Each group's gradients summed (``set_gradient_divide_factor(1.0)``), not averaged."""
+    """Each group's gradients summed (``set_gradient_divide_factor(1.0)``), not averaged; a
+    parameter forward never uses gets zeros (``set_reduce_scatter_unused_params(True)``)."""
     grads = []
     for threshold in (None, THRESHOLD):
         torch.manual_seed(0)
         model = _Tempered(ModelArgs(), scalar=False)
+        model.spare = nn.Parameter(torch.ones(4))  # kept whole under THRESHOLD, never used
         _shard(model, mesh_1d(), threshold=threshold)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
+                module.set_reduce_scatter_unused_params(True)
         rank = torch.distributed.get_rank()
         tokens, targets = make_token_batch(2, torch.Generator().manual_seed(rank))
         loss_fn(model(tokens), targets).backward()
         grads.append([p.grad.full_tensor() for p in model.parameters() if p.grad is not None])
+        assert tuple(model.spare.placements) == ((Replicate(),) if threshold else (Shard(0),))
+        assert torch.equal(model.spare.grad.full_tensor(), torch.zeros(4))
     assert len(grads[0]) == len(grads[1]) == len(list(model.parameters()))
     return max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
 
 
-def test_the_gradient_divide_factor_divides_kept_whole_gradients_too() -> None:
+def test_the_divide_factor_and_unused_params_apply_to_kept_whole_gradients_too() -> None:
     for diff in run_distributed(_twin_divide_factor, 2):
         assert diff < 1e-6
 

@@ -835,7 +835,7 @@ class ParamGroup:
         pending = False
         for pp in self.persistent:
             if pp.requires_grad:
-                pending |= pp.keep_grad(desc.reduce_dtype)
+                pending |= pp.keep_grad(desc.reduce_dtype, unused=desc.reduce_unused)
         if self.config.requires_gradient_sync and pending:
             self.persistent_ready = True
 

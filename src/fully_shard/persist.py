@@ -280,8 +280,10 @@ class PersistentParam:
         """Show the ``Replicate`` DTensor again (the group's reshard)."""
         self.register(self.sharded_param)
 
-    def keep_grad(self, reduce_dtype: torch.dtype) -> bool:
-        """Move this backward's gradient into :attr:`pending_grad`; whether one is pending."""
+    def keep_grad(self, reduce_dtype: torch.dtype, *, unused: bool = False) -> bool:
+        """Move this backward's gradient into :attr:`pending_grad`; whether one is pending.
+        ``unused`` (``reduce_scatter_unused_params``): zeros where none came, so that every
+        rank packs the same parameters."""
         param = self.unsharded_param
         grad = None if param is None else param.grad
         if param is not None:
@@ -300,6 +302,8 @@ class PersistentParam:
                 self.pending_grad = grad.to(reduce_dtype)  # ours now: param.grad let it go
             else:
                 self.pending_grad.add_(grad)
+        elif unused and self.pending_grad is None:
+            self.pending_grad = torch.zeros_like(self._local, dtype=reduce_dtype)
         return self.pending_grad is not None
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
