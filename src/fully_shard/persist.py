@@ -56,7 +56,7 @@ from ._compat import (
     set_grad_enabled,
     version,
 )
-from .collectives import SUM, divide_
+from .collectives import SUM, comm_key, divide_
 from .mesh import MeshInfo, contiguous_stride
 from .observer import CollectiveCall, issue_observed
 from .policies import MixedPrecisionPolicy
@@ -321,7 +321,7 @@ class PersistentParam:
 
 def all_reduce_kept_whole(groups: Sequence[ParamGroup]) -> None:
     """The end of backward: all-reduce the pending gradients of every ready group's persistent
-    parameters, one flat buffer per (process groups, reduce dtype, divisor), and add the
+    parameters, one flat buffer per (process groups, reduce dtype, divisor, comm), and add the
     results into their ``Replicate`` gradients.
 
     Every rank sees the same groups ready in the same order (the post-backwards ran on
@@ -340,7 +340,9 @@ def all_reduce_kept_whole(groups: Sequence[ParamGroup]) -> None:
         kept = desc.kept_whole
         if kept is None:
             continue
-        key = (*kept.groups, desc.reduce_dtype, kept.pre_divide, kept.post_divide)
+        # One collective: one set of process groups, one dtype and division, one comm.
+        key: tuple[object, ...] = (*kept.groups, desc.reduce_dtype, kept.pre_divide)
+        key = (*key, kept.post_divide, comm_key(group.comm))
         members = buckets.setdefault(key, [])
         members.extend((group, p) for p in group.persistent if p.pending_grad is not None)
     grad_was = torch.is_grad_enabled()
