@@ -307,12 +307,12 @@ def test_the_divide_factor_and_unused_params_apply_to_kept_whole_gradients_too()
 # -- state_dict, DCP across world sizes, clip_grad_norm_ ------------------------------------
 
 
-def _train_and_save(path: str) -> dict[str, Any]:
+def _train_and_save(path: str, threshold: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _Tempered(ModelArgs())
     reference = _Tempered(ModelArgs())
     reference.load_state_dict(model.state_dict())
-    _shard(model, mesh_1d())
+    _shard(model, mesh_1d(), threshold=threshold)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         tokens, targets = make_token_batch(2, torch.Generator().manual_seed(step))
@@ -364,17 +364,24 @@ def _load(path: str, threshold: int | None) -> dict[str, Any]:
     return {"full": full, "moments": moments}
 
 
-@pytest.mark.parametrize(("load_world", "threshold"), [(1, THRESHOLD), (3, 2)])
+# (threshold at save, world and threshold at load): kept whole -> kept whole, kept whole ->
+# sharded, sharded -> kept whole (2 keeps only the scalar whole)
+@pytest.mark.parametrize(
+    ("saved_with", "load_world", "load_with"),
+    [(THRESHOLD, 1, THRESHOLD), (THRESHOLD, 3, 2), (2, 4, THRESHOLD)],
+)
 def test_state_dict_dcp_and_clip_grad_norm(
-    tmp_path: Path, load_world: int, threshold: int | None
+    tmp_path: Path, saved_with: int, load_world: int, load_with: int
 ) -> None:
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_train_and_save, 2, path)[0]
+    saved = run_distributed(_train_and_save, 2, path, saved_with)[0]
     got, want = saved["norm"]
     assert abs(got - want) < 1e-5 * want, saved["norm"]
-    assert set(saved["kinds"].values()) == {(Replicate(),)}
-    assert len(saved["kinds"]) == 2 * 2 + 3
-    for loaded in run_distributed(_load, load_world, path, threshold):
+    kinds = saved["kinds"]
+    assert kinds.pop("temperature") == (Replicate(),)
+    assert set(kinds.values()) == {(Replicate(),) if saved_with == THRESHOLD else (Shard(0),)}
+    assert len(kinds) == 2 * 2 + 2
+    for loaded in run_distributed(_load, load_world, path, load_with):
         for key in ("full", "moments"):
             assert loaded[key].keys() == saved[key].keys()
             for name, value in saved[key].items():
