@@ -80,10 +80,12 @@ def _shard(
     comm: CountingComm | None = None,
     cap: float | None = None,
     norm_groups: bool = False,
+    compile: bool = False,
     threshold: int | None = THRESHOLD,
     **options: Any,
 ) -> None:
-    """Each block (``norm_groups``: its two norms first, alone), then the root."""
+    """Each block (``norm_groups``: its two norms first, alone), then the root; ``compile``:
+    then each block's ``block.compile()``."""
     for block in model.get_submodule("layers").children():
         if norm_groups:
             for norm in (block.attention_norm, block.ffn_norm):
@@ -91,6 +93,10 @@ def _shard(
         fully_shard(block, mesh=mesh, param_persistence_threshold=threshold, **options)
     fully_shard(model, mesh=mesh, param_persistence_threshold=threshold, **options)
     assert isinstance(model, FSDPModule)
+    if compile:
+        torch._dynamo.reset()
+        for block in model.get_submodule("layers").children():
+            block.compile(backend="eager")
     if cap is not None:
         model.set_bucket_cap_mb(cap)
     if comm is not None:
@@ -125,6 +131,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "reshard-int": ({}, {"reshard_after_forward": 2}, {}),
     "buckets": ({}, {"cap": 64.0}, {}),
     "norm-groups": ({}, {"norm_groups": True}, {}),
+    # block.compile() after fully_shard: the hooks stay eager and show kept-whole parameters
+    "compiled-blocks": ({}, {"compile": True}, {}),
 }
 
 # (forward all-gathers, backward collectives) in a step after the first: root and 2 blocks
@@ -149,6 +157,10 @@ COUNTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "buckets": ({"all_gather": 1}, {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}),
     # the four norm groups gather nothing and reduce-scatter nothing
     "norm-groups": ({"all_gather": 3}, {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 1}),
+    "compiled-blocks": (
+        {"all_gather": 3},
+        {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 1},
+    ),
 }
 
 

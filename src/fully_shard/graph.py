@@ -327,7 +327,9 @@ def check_traceable(group: ParamGroup) -> None:
             group,
             f"{group.persistent[0].fqn!r} is kept whole on every rank "
             "(param_persistence_threshold), which the traced gather does not show the module",
-            "Pass param_persistence_threshold=None, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+            "Compile each block instead with block.compile() (the hooks, which show the module "
+            "those parameters, then run outside the compiled code; torch.compile(block) after "
+            "fully_shard takes this path too), or pass param_persistence_threshold=None",
         )
     quant = config.quantization_policy
     for p in group.params:
