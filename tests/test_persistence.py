@@ -5,17 +5,22 @@ logits a scalar temperature, with a threshold that keeps the norms (16,), the bi
 the temperature () whole and shards the rest:
 
 - train like the unsharded model (``check_parity``, 3 AdamW steps, clipped so that
-  ``clip_grad_norm_``'s total norm decides every step) with reshard after forward on and
-  off, gradient accumulation with sync off, frozen and tied parameters, activation
-  checkpointing, HSDP, buckets, and groups whose every parameter is kept whole; with mixed
-  precision like the same model without the threshold;
-- issue one all-reduce per step for every kept-whole gradient, and no all-gather for a
-  group that keeps everything whole (counted with ``CountingComm`` in a step after those);
+  ``clip_grad_norm_``'s total norm decides every step) with reshard after forward on, off
+  and to pairs (W = 4), gradient accumulation with sync off, frozen and tied parameters,
+  activation checkpointing, HSDP (2 x 1 and 2 x 2), buckets, groups whose every parameter is
+  kept whole, blocks compiled with ``block.compile()``, and tensor parallelism (dp 2 x tp 2:
+  the TP placement kept, ``Replicate`` on the dp dim); with mixed precision like the same
+  model without the threshold, computing in bf16;
+- issue one all-reduce per step for every kept-whole gradient (two on HSDP), and no
+  all-gather for a group that keeps everything whole (counted with ``CountingComm`` in a step
+  after those);
+- divide as the group's ``set_gradient_divide_factor`` says, and send zeros for an unused
+  parameter under ``set_reduce_scatter_unused_params(True)``;
 - show ``Replicate`` DTensors to ``state_dict()`` and DCP, which loads them at other world
-  sizes, sharded or not;
+  sizes, sharded or not, and loads a sharded checkpoint into them; ``clip_grad_norm_``'s
+  total norm is the unsharded model's;
 - refuse a bad threshold before changing anything.
 """
-
 from __future__ import annotations
 
 import functools
