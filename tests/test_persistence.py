@@ -21,6 +21,7 @@ the temperature () whole and shards the rest:
   total norm is the unsharded model's;
 - refuse a bad threshold before changing anything.
 """
+
 from __future__ import annotations
 
 import functools
