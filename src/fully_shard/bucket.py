@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._compat import profiler_enabled, set_grad_enabled
-from .collectives import TorchComm, Waitable, divide_
+from .collectives import Waitable, comm_key, divide_
 from .description import GroupDescription, offsets
 from .group import GroupState, ParamGroup, SharedReduce
 from .observer import JOB_WIDE, CollectiveCall, issue_observed
@@ -84,10 +84,8 @@ def _offloaded(group: ParamGroup) -> bool:
 
 
 def _comm_key(group: ParamGroup) -> Hashable:
-    """Groups with the default collectives (one stateless ``TorchComm`` each) agree; a comm
-    set with ``set_comm`` (a counter, a tool) is matched by identity."""
-    comm = group.comm
-    return TorchComm if type(comm) is TorchComm else id(comm)
+    """Groups with the default collectives agree (:func:`~fully_shard.collectives.comm_key`)."""
+    return comm_key(group.comm)
 
 
 def gather_key(group: ParamGroup) -> Hashable | None:

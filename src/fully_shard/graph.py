@@ -337,6 +337,15 @@ def check_traceable(group: ParamGroup) -> None:
             "a tool watches its collectives (fully_shard.debug's checker, a trace recorder)",
             "Turn the tool off for the compiled run, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
         )
+    if group.persistent:
+        _refuse(
+            group,
+            f"{group.persistent[0].fqn!r} is kept whole on every rank "
+            "(param_persistence_threshold), which the traced gather does not show the module",
+            "Compile each block instead with block.compile() (the hooks, which show the module "
+            "those parameters, then run outside the compiled code; torch.compile(block) after "
+            "fully_shard takes this path too), or pass param_persistence_threshold=None",
+        )
     quant = config.quantization_policy
     for p in group.params:
         if p.gather_format(quant) is not PLAIN:
@@ -525,7 +534,7 @@ def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
 
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
     for j, group in enumerate(state.groups):
-        if not group.params:
+        if not (group.params or group.persistent):  # kept-whole ones: refused by _plan_for
             continue
         fulls = _bucket_gathered(run, state, j, reshard)
         if fulls is None:

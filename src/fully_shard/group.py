@@ -63,6 +63,7 @@ from .packing import (
     wire_dtype,
 )
 from .param import ShardedParam
+from .persist import PersistentParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN
 from .storage import DenseStorage, WholeShard
@@ -293,8 +294,15 @@ class ParamGroup:
         info: MeshInfo,
         config: GroupConfig,
         comm: Comm,
+        persistent: list[PersistentParam] | None = None,
     ) -> None:
         self.params = params
+        # The parameters kept whole on every rank (param_persistence_threshold): shown at
+        # every unshard and hidden at every reshard, never gathered or reduce-scattered.
+        self.persistent: list[PersistentParam] = [] if persistent is None else persistent
+        # Their gradients wait for the end of backward's all-reduce (a post-backward with
+        # gradient sync on ran since the last one: fully_shard.persist).
+        self.persistent_ready = False
         self.modules = modules
         self.info = info
         self.config = config
@@ -350,7 +358,7 @@ class ParamGroup:
         both runtimes."""
         desc, config = self._description, self.config
         if desc is None or self._described is not config:
-            desc = self._description = describe(self.params, self.info, config)
+            desc = self._description = describe(self.params, self.info, config, self.persistent)
             self._described = config
         return desc
 
@@ -359,13 +367,16 @@ class ParamGroup:
         the description again at its next use: dtypes and sides may have changed."""
         for p in self.params:
             p.sync_with_module(self.config.quantization_policy)
+        for pp in self.persistent:
+            pp.sync_with_module()
         self._description = None
 
     def __repr__(self) -> str:
         quant = self.config.quantization_policy
         tag = f" (int8/{quant.block_size})"
         names = ", ".join(
-            p.fqn + (tag if p.gather_format(quant) is not PLAIN else "") for p in self.params
+            [p.fqn + (tag if p.gather_format(quant) is not PLAIN else "") for p in self.params]
+            + [f"{pp.fqn} (whole)" for pp in self.persistent]
         )
         return f"ParamGroup([{names}], {self.state.name})"
 
@@ -436,6 +447,13 @@ class ParamGroup:
             p.alloc_storage()
             p.set_unsharded_grad_dtype()
             p.free_storage()
+        for pp in self.persistent:
+            if pp.local.device.type == "meta":
+                raise FullyShardStateError(
+                    f"parameter {self.name_from_root(pp.fqn)!r} is still on the meta device at "
+                    "the first forward; call module.to_empty(device=...) and initialise the "
+                    "parameters (e.g. reset_parameters()) before running the model"
+                )
 
     def name_from_root(self, fqn: str) -> str:
         """A parameter's ``fqn`` (relative to the sharded module; ``[i].name`` in a list
@@ -623,6 +641,8 @@ class ParamGroup:
             else:  # ShardedParam.register, inline (twice per parameter per step)
                 for module, name in p.slots:
                     module._parameters[name] = unsharded
+        for pp in self.persistent:
+            pp.show()
         if GroupState.UNSHARDED not in _TRANSITIONS[self.state]:
             self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
         self.state = GroupState.UNSHARDED
@@ -709,6 +729,8 @@ class ParamGroup:
             self._pieces_cut = True
             for p in self.params:
                 p.reshard_to_post_forward(sub, free=not self.config.keep_unsharded_storage)
+            for pp in self.persistent:
+                pp.hide()
             self._transition(GroupState.SHARDED, "reshard_after_forward()")
 
     def post_forward_nbytes(self) -> int:
@@ -746,6 +768,8 @@ class ParamGroup:
                 sharded = p.sharded_param
                 for module, name in p.slots:
                     module._parameters[name] = sharded
+        for pp in self.persistent:
+            pp.hide()
         if GroupState.SHARDED not in _TRANSITIONS[self.state]:
             self._transition(GroupState.SHARDED, "reshard()")
         self.state = GroupState.SHARDED
@@ -778,6 +802,8 @@ class ParamGroup:
         if desc is None or self._described is not self.config:
             desc = self.description
         params = self.params
+        if self.persistent:
+            self._keep_persistent_grads(desc)
         trainable = [i for i, p in enumerate(params) if p.sharded_param.requires_grad]
         if not self.config.requires_gradient_sync:
             for i in trainable:
@@ -826,6 +852,17 @@ class ParamGroup:
         output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
         work = self._issue_reduce_scatter(output, flat_in, desc.reduce_group, rs)
         self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
+
+    def _keep_persistent_grads(self, desc: GroupDescription) -> None:
+        """The persistent parameters' gradients join their pending sums; with gradient sync
+        on, the group waits for the end of backward's all-reduce (every rank's group does,
+        since every rank runs this post-backward)."""
+        pending = False
+        for pp in self.persistent:
+            if pp.requires_grad:
+                pending |= pp.keep_grad(desc.reduce_dtype, unused=desc.reduce_unused)
+        if self.config.requires_gradient_sync and pending:
+            self.persistent_ready = True
 
     def _issue_reduce_scatter(
         self, output: torch.Tensor, flat_in: torch.Tensor, group: dist.ProcessGroup, rs: Reduction
@@ -1038,6 +1075,12 @@ class ParamGroup:
         for p in self.params:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
+        for pp in self.persistent:
+            if pp.unsharded_param is not None:
+                pp.unsharded_param.grad = None
+            if self.persistent_ready:  # the failed iteration's sums, not yet reduced
+                pp.pending_grad = None
+        self.persistent_ready = False
         if self.state is GroupState.UNSHARDING:
             self.state = GroupState.UNSHARDED
         self.reshard()
