@@ -51,6 +51,7 @@ from parity import (
     param_diffs,
 )
 from test_graph import _batch, _collectives, _Graphs, _Net
+from tp_plan import apply_tp
 
 ARGS = ModelArgs(n_layers=4)
 # The compiled cases' backends: aot_eager here, inductor too in ``nox -s soak``.
@@ -133,6 +134,9 @@ CASES = {
     "hsdp": ({}, {"hsdp": True}, {}),
     # W = 4, resharded to pairs after forward: no gather is bucketed, the reductions are
     "reshard-int": ({}, {"reshard_after_forward": 2}, {}),
+    # W = 4: tensor parallel over tp 2 first (tests/tp_plan.py), then fully_shard over dp 2;
+    # only ours are counted (TP's collectives are DTensor's)
+    "tp": ({}, {"tp": True}, {}),
 }
 
 
@@ -140,7 +144,11 @@ def _parity(case: str, cap: float) -> dict[str, Any]:
     build_opts, shard_opts, parity_opts = CASES[case]
     shard_opts = dict(shard_opts)
     hsdp = shard_opts.pop("hsdp", False)
-    mesh = device_mesh((2, 2), ("rep", "shard")) if hsdp else mesh_1d()
+    tp = shard_opts.pop("tp", False)
+    root = device_mesh((2, 2), ("dp", "tp")) if tp else None
+    mesh = (
+        device_mesh((2, 2), ("rep", "shard")) if hsdp else mesh_1d() if root is None else root["dp"]
+    )
     args = ModelArgs(n_layers=4, tie_embeddings=bool(build_opts.get("tie_embeddings")))
 
     def build() -> nn.Module:
@@ -156,6 +164,8 @@ def _parity(case: str, cap: float) -> dict[str, Any]:
     held: list[nn.Module] = []
 
     def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        if root is not None:
+            apply_tp(model, root["tp"])  # type: ignore[arg-type]
         _shard(model, mesh, cap=cap, comm=comm, **shard_opts)
         held.append(model)
 
@@ -176,12 +186,13 @@ ONE_BUCKET = {
     "skip": (1, 1, 1),
     "hsdp": (1, 1, 1),
     "reshard-int": (5, 5, 1),  # the root reshards to pairs too: it gathers again
+    "tp": (1, 1, 1),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(case: str) -> None:
-    world = 4 if case in ("hsdp", "reshard-int") else 2
+    world = 4 if case in ("hsdp", "reshard-int", "tp") else 2
     for seen in run_distributed(_parity, world, case, ALL):
         assert seen["stats"]["max_param_diff"] < 1e-5
         forward, backward, reduce = ONE_BUCKET[case]
