@@ -53,10 +53,13 @@ def tests_torch_latest(session: nox.Session) -> None:
 
     Not a default session and not in CI: PyPI's Linux wheel of torch is a CUDA build, several
     GB with its libraries (it runs on CPU). Every pin of constraints.txt applies but torch's,
-    which a constraints file written into the session's tmp dir replaces.
+    which a constraints file written into the session's tmp dir replaces, and triton's (the
+    torch release brings the one it needs).
     """
     lines = Path("constraints.txt").read_text().splitlines()
-    pins = [line for line in lines if not line.replace(" ", "").startswith("torch==")]
+    # triton's pin is the soak session's (torchtitan imports it); each torch wants its own
+    theirs = ("torch==", "triton==")
+    pins = [line for line in lines if not line.replace(" ", "").startswith(theirs)]
     constraints = Path(session.create_tmp()) / "constraints-torch-latest.txt"
     constraints.write_text("\n".join([*pins, f"torch=={TORCH_LATEST}"]) + "\n")
     session.install(f"torch=={TORCH_LATEST}", "-c", str(constraints))

@@ -11,6 +11,11 @@ rank, ``torch.optim.SGD(foreach=True)``. One step is forward, an MSE loss, backw
 * ``ours-buckets`` (with ``--bucket-cap-mb``) -- the same, with ``set_bucket_cap_mb``: the
   groups' collectives merged into buckets (:mod:`fully_shard.bucket`);
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
+* with ``--compile [BACKEND]`` (``inductor`` if no backend is named), ``ours`` and
+  ``ours-buckets`` run ``torch.compile(model, fullgraph=True)`` of the sharded model: the
+  graph path (:mod:`fully_shard.graph`), every collective in the one graph, one all-gather and
+  one reduce-scatter per bucket with the cap. The warm-up steps compile (untimed); the others
+  stay eager;
 * ``plain`` (W = 1) -- the model itself, no wrapper: the floor;
 * ``ddp`` (W >= 2) -- ``DistributedDataParallel``: the floor with gradient synchronisation.
 
@@ -30,7 +35,11 @@ every backward hook. "Python calls" are the ``call`` events (what issue 48 count
 counts both kinds), reported beside the ``c_call`` events. ``optimizer.step()`` and
 ``zero_grad()`` are counted apart within the same step. "per group" divides a step's Python
 calls by the number of groups (blocks + 1); "over floor per group" first subtracts the floor's
-(plain or DDP).
+(plain or DDP). ``step()``'s count depends on the order the models were built in, not on the
+implementation: the models have the same shapes, and DTensor's sharding-propagation cache (in
+C++, keyed by value) finds the first-built model's specs for every later one and compares them
+in Python (``DTensorSpec.__eq__``), ~290 more calls for any model but the first (``ours``,
+built first, shows 250; ``ours-buckets`` and torch's, built after it, 538; swapped, swapped).
 
 ``--profile N`` also prints, for rank 0, the ``N`` functions with the most own time in one step
 of ``ours`` (cProfile), the list a cut of the fixed cost starts from.
@@ -40,6 +49,7 @@ The last line printed is one JSON object with every number.
 Example:
     $ python benchmarks/bench_overhead.py --nproc 1,2
     $ python benchmarks/bench_overhead.py --nproc 1 --blocks 48 --steps 100 --profile 25
+    $ python benchmarks/bench_overhead.py --nproc 2 --impls ours,floor --bucket-cap-mb 25 --compile
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -103,6 +113,7 @@ class RunOptions:
     lr: float
     profile: int
     bucket_cap_mb: float | None = None  # ours-buckets
+    compile: str | None = None  # torch.compile's backend for ours and ours-buckets, or None
 
 
 def floor_of(world: int) -> str:
@@ -127,6 +138,10 @@ def build(impl: str, opts: RunOptions, mesh: DeviceMesh) -> tuple[nn.Module, tor
         shard(model, mesh=mesh)
         if impl == "ours-buckets":
             model.set_bucket_cap_mb(opts.bucket_cap_mb)  # type: ignore[operator]
+        if opts.compile is not None and impl != "fsdp2":
+            # The compiled module shares the sharded one's parameters (the optimizer's).
+            compiled = torch.compile(model, backend=opts.compile, fullgraph=True)
+            return compiled, torch.optim.SGD(model.parameters(), lr=opts.lr, foreach=True)  # type: ignore[return-value]
     elif impl == "ddp":
         model = DistributedDataParallel(model)
     elif impl != "plain":
@@ -158,18 +173,34 @@ def train_step(
     return loss.item()
 
 
+# The library's own source files: the journey of a step is the part of its calls made there.
+_PACKAGE_DIR = os.path.dirname(fs.__file__) + os.sep
+
+
 class CallCounter:
-    """Counts ``call`` and ``c_call`` events of ``sys.setprofile`` on this thread."""
+    """Counts ``call`` and ``c_call`` events of ``sys.setprofile`` on this thread, and keeps
+    the library's functions the ``call`` events entered (the step's journey through it)."""
 
     def __init__(self) -> None:
         self.py = 0
         self.c = 0
+        self.ours: set[CodeType] = set()
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
         if event == "call":
             self.py += 1
+            if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+                self.ours.add(frame.f_code)
         elif event == "c_call":
             self.c += 1
+
+    def journey(self) -> dict[str, list[str]]:
+        """The library's functions entered, by file (relative to the package)."""
+        by_file: dict[str, set[str]] = {}
+        for code in self.ours:
+            name = os.path.relpath(code.co_filename, _PACKAGE_DIR)
+            by_file.setdefault(name, set()).add(code.co_name)
+        return {f: sorted(names) for f, names in sorted(by_file.items())}
 
     @property
     def total(self) -> int:
@@ -197,7 +228,13 @@ def count_calls(
         name: {"py": b[0] - a[0], "c": b[1] - a[1], "total": sum(b) - sum(a)}
         for name, a, b in zip(PHASES, bounds[:-1], bounds[1:], strict=True)
     }
-    return {"py": counter.py, "c": counter.c, "total": counter.total, "phases": phases}
+    return {
+        "py": counter.py,
+        "c": counter.c,
+        "total": counter.total,
+        "phases": phases,
+        "journey": counter.journey(),
+    }
 
 
 def profile_step(
@@ -273,8 +310,9 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
             dist.barrier()
             calls[impl] = count_calls(model, optim, data[len(losses[impl])])
         profile = ""
-        if opts.profile and "ours" in runs:
-            profile = profile_step(*runs["ours"], data[-1], opts.profile)
+        for impl in ("ours", "ours-buckets") if opts.profile else ():
+            if impl in runs:
+                profile += f"{impl}:\n" + profile_step(*runs[impl], data[-1], opts.profile)
         result = {"rank": rank, "times": times, "losses": losses, "calls": calls}
         result["profile"] = profile
         gathered: list[Any] = [None] * opts.world
@@ -357,12 +395,14 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_report(s: dict[str, Any], load: tuple[float, float]) -> None:
     cfg = s["config"]
+    compiled = "" if cfg["compile"] is None else f", ours compiled whole ({cfg['compile']})"
     print(
         f"\n== bench_overhead: {cfg['blocks']} blocks of [Linear(16, 16), ReLU], "
         f"{cfg['groups']} groups, W={cfg['world']} (gloo, 1 thread/rank, "
         f"{s['machine']['cpus']} CPUs seen), batch {cfg['batch']}/rank, SGD foreach; "
         f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps (rounds of {cfg['round_steps']}); "
         f"torch {s['machine']['torch']}; load average {load[0]:.2f} before, {load[1]:.2f} after"
+        f"{compiled}"
     )
     header = (
         f"{'implementation':<20}{'step ms: median [p25-p75]':>28}{'py calls':>10}"
@@ -397,6 +437,12 @@ def print_report(s: dict[str, Any], load: tuple[float, float]) -> None:
             f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, Python calls per "
             f"step {r['calls_per_step']:.2f}x, in optimizer.step() {r['step_calls']:.2f}x"
         )
+    for impl, r in s["impls"].items():
+        journey = r["calls_per_step"]["journey"]
+        if journey:  # fully_shard's own functions on one step (rank 0): the reading path
+            n = sum(map(len, journey.values()))
+            files = ", ".join(f"{f} {len(fns)}" for f, fns in journey.items())
+            print(f"{LABELS[impl]}: one step enters {len(journey)} files, {n} functions ({files})")
     if s["profile_rank0"]:
         print(f"cProfile of one step of ours, rank 0:\n{s['profile_rank0']}")
 
@@ -424,10 +470,22 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
         default=None,
         help="also run ours-buckets (next to ours) with set_bucket_cap_mb(this many MiB)",
     )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="run ours (and ours-buckets) as torch.compile(model, fullgraph=True) with this "
+        "backend (default inductor): the graph path",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
-        "--profile", type=int, default=0, help="print cProfile's top N of one step of ours"
+        "--profile",
+        type=int,
+        default=0,
+        help="print cProfile's top N of one step of ours (and of ours-buckets)",
     )
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -462,6 +520,7 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
             lr=args.lr,
             profile=args.profile,
             bucket_cap_mb=args.bucket_cap_mb,
+            compile=args.compile,
         )
         for w in worlds
     ]

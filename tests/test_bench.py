@@ -224,6 +224,26 @@ def test_bench_overhead_counts_calls_and_matches_the_floor(
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_bench_overhead_compiles_ours_whole_with_and_without_buckets(
+    launcher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "overhead.json"
+    stdout = _run(
+        "bench_overhead", "--blocks", "2", "--nproc", "2", "--steps", "2", "--warmup", "1",
+        "--impls", "ours,floor", "--bucket-cap-mb", "25", "--compile", "aot_eager",
+        "--json-out", str(out), launcher=launcher, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["config"]["compile"] == "aot_eager"
+    assert set(run["impls"]) == {"ours", "ours-buckets", "ddp"}
+    for name, r in run["impls"].items():
+        # Compiled whole, bucketed or not: the floor's losses.
+        assert r["max_abs_loss_diff_vs_floor"] < 1e-6, name
+        assert len(r["step_ms"]["all"]) == 2, name
+    assert "ours compiled whole (aot_eager)" in stdout
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_bench_collectives_reports_both_versions_of_each_collective(
     launcher: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

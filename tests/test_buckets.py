@@ -12,12 +12,18 @@ What they must do, checked here on a 4-block ``Transformer`` (root + 4 groups):
   (which records the order and runs unbucketed), against hand-counted buckets and
   ``Buckets.sizes()``;
 - close a bucket at a group whose options differ;
-- refuse a bad cap before changing anything.
+- refuse a bad cap before changing anything;
+- in the one graph (``torch.compile(model, fullgraph=True)``, ``aot_eager``): one all-gather
+  and one reduce-scatter per bucket in the traced graphs, the same training as the eager
+  engine with the same cap and as the unsharded model, a recompile when the cap changes.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import os
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -42,9 +48,14 @@ from parity import (
     fsdp_gradient_sync,
     loss_fn,
     make_token_batch,
+    param_diffs,
 )
+from test_graph import _batch, _collectives, _Graphs, _Net
+from tp_plan import apply_tp
 
 ARGS = ModelArgs(n_layers=4)
+# The compiled cases' backends: aot_eager here, inductor too in ``nox -s soak``.
+BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
 # Every compatible group in one bucket.
 ALL = 64.0
 # 2 blocks per bucket, not 3: a block is 2,976 fp32 elements (x W=2 ranks: 23,808 bytes of
@@ -123,6 +134,9 @@ CASES = {
     "hsdp": ({}, {"hsdp": True}, {}),
     # W = 4, resharded to pairs after forward: no gather is bucketed, the reductions are
     "reshard-int": ({}, {"reshard_after_forward": 2}, {}),
+    # W = 4: tensor parallel over tp 2 first (tests/tp_plan.py), then fully_shard over dp 2;
+    # only ours are counted (TP's collectives are DTensor's)
+    "tp": ({}, {"tp": True}, {}),
 }
 
 
@@ -130,7 +144,11 @@ def _parity(case: str, cap: float) -> dict[str, Any]:
     build_opts, shard_opts, parity_opts = CASES[case]
     shard_opts = dict(shard_opts)
     hsdp = shard_opts.pop("hsdp", False)
-    mesh = device_mesh((2, 2), ("rep", "shard")) if hsdp else mesh_1d()
+    tp = shard_opts.pop("tp", False)
+    root = device_mesh((2, 2), ("dp", "tp")) if tp else None
+    mesh = (
+        device_mesh((2, 2), ("rep", "shard")) if hsdp else mesh_1d() if root is None else root["dp"]
+    )
     args = ModelArgs(n_layers=4, tie_embeddings=bool(build_opts.get("tie_embeddings")))
 
     def build() -> nn.Module:
@@ -146,6 +164,8 @@ def _parity(case: str, cap: float) -> dict[str, Any]:
     held: list[nn.Module] = []
 
     def shard(model: nn.Module, mesh: DeviceMesh) -> None:
+        if root is not None:
+            apply_tp(model, root["tp"])  # type: ignore[arg-type]
         _shard(model, mesh, cap=cap, comm=comm, **shard_opts)
         held.append(model)
 
@@ -166,12 +186,13 @@ ONE_BUCKET = {
     "skip": (1, 1, 1),
     "hsdp": (1, 1, 1),
     "reshard-int": (5, 5, 1),  # the root reshards to pairs too: it gathers again
+    "tp": (1, 1, 1),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(case: str) -> None:
-    world = 4 if case in ("hsdp", "reshard-int") else 2
+    world = 4 if case in ("hsdp", "reshard-int", "tp") else 2
     for seen in run_distributed(_parity, world, case, ALL):
         assert seen["stats"]["max_param_diff"] < 1e-5
         forward, backward, reduce = ONE_BUCKET[case]
@@ -326,3 +347,168 @@ def test_a_bad_cap_is_refused_before_anything_changes() -> None:
         "FullyShardTypeError",
     ]
     assert "set_bucket_cap_mb" in errors[0] and "-1" in errors[0]
+
+
+# -- in the one graph ----------------------------------------------------------------------------
+
+
+def _compiled_with_cap(
+    reshard: bool,
+    regions: bool,
+    bf16_block: bool,
+    cap_at: int,
+    backend: str = "aot_eager",
+    eager_first: bool = False,
+) -> dict[str, Any]:
+    """test_graph's net (tied embedding and head in the root's group, 4 blocks, uneven rows),
+    W=2: compiled whole beside our eager engine and the unsharded replica, 3 AdamW steps. The
+    cap (every group in one bucket) comes before step ``cap_at`` on both sharded models (at
+    1: step 0 traces without buckets, step 1 again with them); block 1 gathers in bf16 if
+    ``bf16_block``; with ``eager_first`` step 0 runs the sharded model eagerly, so that the
+    graph path plans its buckets from the order that step recorded."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False, blocks=4)
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    f32 = torch.float32
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=f32, output_dtype=f32)
+    for m in (model, eager):
+        for i, block in enumerate(m.blocks):
+            mp = bf16 if bf16_block and i == 1 else MixedPrecisionPolicy()
+            fully_shard(block, mesh=mesh_1d(), reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(m, mesh=mesh_1d())  # the root keeps its parameters (torch's default)
+    assert isinstance(model, FSDPModule) and isinstance(eager, FSDPModule)
+    model.set_compile_region(regions)
+    graphs = _Graphs(backend)
+    models = (model, eager, reference)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    rank = torch.distributed.get_rank()
+    frames = []
+    # Dynamo inlines a region called once; keep every region, so that each one shows.
+    with torch._dynamo.config.patch(inline_single_use_invoke_subgraph=False):
+        run = torch.compile(model, backend=graphs, fullgraph=True)
+        for step in range(3):
+            if step == cap_at:
+                model.set_bucket_cap_mb(ALL)
+                eager.set_bucket_cap_mb(ALL)
+            tokens, targets = _batch(step, 4)
+            first = model if eager_first and step == 0 else run
+            for call, optim in zip((first, eager, reference), optims, strict=True):
+                rows = slice(None) if call is reference else slice(2 * rank, 2 * rank + 2)
+                loss_fn(call(tokens[rows]), targets[rows]).backward()
+                optim.step()
+                optim.zero_grad()
+            frames.append(graphs.frames)
+    bodies = Counter(
+        n.args[0].target
+        for n in graphs.dynamo[-1].graph.nodes
+        if n.target is torch.ops.higher_order.invoke_subgraph
+    )
+    return {
+        "diffs": param_diffs(model, reference),
+        "eager_diffs": param_diffs(model, eager),
+        "frames": frames,
+        "regions": sorted(bodies.values()),  # calls of each region body
+        "fw": [_collectives(g) for g in graphs.fw],
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("reshard", "regions", "cap_at", "eager_first"),
+    [(True, True, 1, False), (False, True, 0, False), (False, False, 0, True)],
+)
+def test_the_one_graph_has_one_collective_per_bucket(
+    reshard: bool, regions: bool, cap_at: int, eager_first: bool, backend: str
+) -> None:
+    """Buckets in the traced graph: the same training as eager with the same cap and as the
+    unsharded model (1e-5), and one all-gather and one reduce-scatter (gloo: an all-to-all)
+    per bucket. The root keeps its parameters after forward; with ``reshard`` the blocks do
+    not, so the root is a bucket of its own and the blocks' bucket gathers again in backward.
+    A cap set after the first compiled step recompiles once. With regions on, blocks that
+    reshard are traced inline (their bucket's gather would otherwise be kept until backward);
+    blocks that keep their parameters share one region that takes them gathered. After an
+    eager first step the buckets follow the order it recorded (the same here)."""
+    f32 = torch.float32
+    case = (reshard, regions, False, cap_at, backend, eager_first)
+    for r in run_distributed(_compiled_with_cap, 2, *case, timeout=300):
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
+        assert r["frames"] == ([1, 2, 2] if cap_at else [0, 1, 1] if eager_first else [1] * 3)
+        assert r["regions"] == ([4] if regions and not reshard else [])
+        if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
+            continue
+        if cap_at:  # the first graph: one gather and one reduction per group
+            assert r["fw"][0] == [("all_gather", f32)] * 5
+            assert r["bw"][0].count(("all_to_all", f32)) == 5
+        fw, bw = r["fw"][-1], r["bw"][-1]
+        buckets = 2 if reshard else 1
+        assert fw == [("all_gather", f32)] * buckets, fw
+        again = [("all_gather", f32)] if reshard else []  # the blocks' bucket, recomputed
+        assert Counter(bw) == Counter(again + [("all_to_all", f32)] * buckets), bw
+
+
+def test_a_bf16_block_closes_the_bucket_in_the_graph() -> None:
+    """Block 1 gathers in bf16: buckets [root] [0] [1] [2, 3] (the root keeps its parameters,
+    the blocks reshard); blocks 0 and 1, each a bucket of one, keep their regions (one each:
+    their gathers differ), blocks 2 and 3 are traced inline."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    for r in run_distributed(_compiled_with_cap, 2, True, True, True, 0, timeout=300):
+        # bf16 compute in block 1: against eager as test_graph's mixed precision test
+        assert max(r["eager_diffs"]) < 1e-4, r["eager_diffs"]
+        assert r["frames"] == [1, 1, 1]
+        (fw,), (bw,) = r["fw"], r["bw"]
+        assert Counter(fw) == {("all_gather", f32): 3, ("all_gather", bf16): 1}, fw
+        assert Counter(bw) == {
+            ("all_gather", f32): 2,  # block 0's and the bucket [2, 3]'s, recomputed
+            ("all_gather", bf16): 1,  # block 1's
+            ("all_to_all", f32): 4,
+        }, bw
+        assert r["regions"] == [1, 1]
+
+
+def _accumulating_in_the_graph() -> dict[str, Any]:
+    """Two micro-batches a step, gradient sync off for the first, compiled with one bucket
+    for the blocks, beside the unsharded replica on the global batches."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False, blocks=2)
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d())
+    assert isinstance(model, FSDPModule)
+    model.set_bucket_cap_mb(ALL)
+    graphs = _Graphs("aot_eager")
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    rank = torch.distributed.get_rank()
+    for step in range(2):
+        for micro in range(2):
+            tokens, targets = _batch(10 * step + micro, 4)
+            model.set_requires_gradient_sync(micro == 1)
+            mine = slice(2 * rank, 2 * rank + 2)
+            loss_fn(run(tokens[mine]), targets[mine]).backward()
+            loss_fn(reference(tokens), targets).backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    return {
+        "diffs": param_diffs(model, reference),
+        "frames": graphs.frames,
+        "bw": [_collectives(g) for g in graphs.bw],
+    }
+
+
+def test_gradient_accumulation_in_the_graph_reduces_each_bucket_once() -> None:
+    """Sync off: the bucket's backward keeps each group's gradients unreduced (no collective
+    but the blocks' recomputed gather); sync on: they join the last micro-batch's, one
+    reduce-scatter per bucket ([root], [0, 1]). One graph per value of the flag."""
+    f32 = torch.float32
+    for r in run_distributed(_accumulating_in_the_graph, 2, timeout=300):
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["frames"] == 2
+        unsynced, synced = r["bw"]
+        assert unsynced == [("all_gather", f32)], unsynced
+        assert Counter(synced) == {("all_gather", f32): 1, ("all_to_all", f32): 2}, synced

@@ -46,6 +46,7 @@ EXAMPLES_RUN: dict[str, tuple[list[str], str]] = {
     "meta_init.py": ([], r"this rank holds \d+ of \d+ parameter elements"),
     "grad_accum.py": ([], r"step 1 micro-batch 3: [1-9]\d* reduce-scatters"),
     "buckets.py": ([], r"buckets: 3 collectives per step instead of 14; max .* = 0\.0e\+00"),
+    "persistent_params.py": ([], r"kept whole: 18 parameters .* 1 all-reduce per step"),
     "mixed_precision.py": ([], r"compute \{torch.bfloat16\}, all-gather torch.bfloat16"),
     "fp32_params.py": ([], r"head computes in \{torch.float32\}, blocks in \{torch.bfloat16\}"),
     "offload.py": ([], r"shards on \{'cpu'\}, optimizer state on \{'cpu'\}"),

@@ -477,6 +477,8 @@ def _untraceable(case: str) -> tuple[str, str]:
         _replicate_on(model, mesh)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **options)
+    if case == "persist":  # every parameter of the root group kept whole
+        options["param_persistence_threshold"] = 1 << 20
     if case == "int8":  # the embedding's padded shard (7 x 8 elements) holds a block of 8
         options["quantization_policy"] = QuantizationPolicy(all_gather="int8", block_size=8)
     fully_shard(model, mesh=mesh, **options)
@@ -510,6 +512,7 @@ def _untraceable(case: str) -> tuple[str, str]:
         ("old_torch", "needs torch 99.0 or newer"),
         ("keep_storage", "set_keep_unsharded_storage(True)"),
         ("manual", "set_manual_backward_finalization(True)"),
+        ("persist", "kept whole on every rank (param_persistence_threshold)"),
     ],
 )
 def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, names: str) -> None:

@@ -219,6 +219,36 @@ def test_a_second_instance_is_traced_once_more_and_neither_recompiles_after() ->
     assert len(set(r["losses"][:2])) == 1, r["losses"]
 
 
+def _lengths() -> dict[str, Any]:
+    """Three sequence lengths, W=1: the second makes dynamo trace again with the length
+    dynamic, which a region's key cannot hold (a symbolic size): those blocks run inline."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Stack()
+    reference = copy.deepcopy(model)
+    _shard(model)
+    kept = _Graphs("aot_eager")
+    run = torch.compile(model, backend=kept, fullgraph=True)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for seq in (6, 8, 10):
+        g = torch.Generator().manual_seed(seq)
+        tokens = torch.randint(0, 13, (2, seq + 1), generator=g)
+        for call, optim in zip((run, reference), optims, strict=True):
+            loss_fn(call(tokens[:, :-1]), tokens[:, 1:]).backward()
+            optim.step()
+            optim.zero_grad()
+    return {
+        "diffs": param_diffs(model, reference),
+        "regions": [sum(_regions(g).values()) for g in kept.dynamo],
+    }
+
+
+def test_a_length_made_dynamic_runs_its_blocks_inline() -> None:
+    (r,) = run_distributed(_lengths, 1, timeout=300)
+    assert max(r["diffs"]) < 1e-5, r["diffs"]
+    assert r["regions"] == [8, 0], r["regions"]  # static: 8 region calls; dynamic: inline
+
+
 def _second_instance() -> dict[str, Any]:
     """Two instances of one structure compiled in turn, W=1, inductor: the second's dynamo
     and AOTAutograd trace again (the frame's guards hold our objects), its inductor graphs come

@@ -209,6 +209,24 @@ CASES = [
     ),
     Case("a 0-dim parameter", _scalar_param, FullyShardValueError, ("'scale'", "0-dimensional")),
     Case(
+        "param_persistence_threshold negative",
+        lambda m: fully_shard(m, mesh=mesh_1d(), param_persistence_threshold=-1),
+        FullyShardValueError,
+        ("param_persistence_threshold=-1", "negative", ">= 0"),
+    ),
+    Case(
+        "param_persistence_threshold a bool",
+        lambda m: fully_shard(m, mesh=mesh_1d(), param_persistence_threshold=True),
+        FullyShardTypeError,
+        ("param_persistence_threshold", "True", "bool"),
+    ),
+    Case(
+        "param_persistence_threshold a float",
+        lambda m: fully_shard(m, mesh=mesh_1d(), param_persistence_threshold=1e4),  # type: ignore[arg-type]
+        FullyShardTypeError,
+        ("param_persistence_threshold", "10000.0", "float"),
+    ),
+    Case(
         "a parameter that is already a DTensor",
         _dtensor_param,
         FullyShardValueError,

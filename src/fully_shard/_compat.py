@@ -103,8 +103,13 @@ def post_accumulate_grad_hooks(t: torch.Tensor) -> list[Callable[[torch.Tensor],
     public, listing is not: the dict lives at ``Tensor._post_accumulate_grad_hooks`` (``None``
     until one is registered) since the hooks came in 2.1; run on 2.6.0, 2.13.0 and 2.14.1.
     """
-    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    hooks = getattr(t, POST_ACCUMULATE_GRAD_HOOKS, None)
     return list(hooks.values()) if hooks else []
+
+
+# Where those hooks live: hot callers test ``getattr(t, POST_ACCUMULATE_GRAD_HOOKS, None)``
+# (a C call) before calling post_accumulate_grad_hooks, once per parameter per step.
+POST_ACCUMULATE_GRAD_HOOKS = "_post_accumulate_grad_hooks"
 
 
 def grad_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -332,7 +337,7 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
     Run on 2.6.0, 2.13.0 and 2.14.1 (CPU; a CUDA-typed mesh needs no GPU to exist) and on
     2.11.0 with CUDA.
     """
-    dt: DTensor = _new_dtensor(DTensor, local, spec, requires_grad=local.requires_grad)
+    dt: DTensor = new_dtensor(DTensor, local, spec, requires_grad=local.requires_grad)
     return dt
 
 
@@ -345,8 +350,9 @@ def dtensor_from_spec(local: torch.Tensor, spec: object) -> DTensor:
 # per step in bench_overhead). The engine builds DTensors eagerly only, never under
 # torch.export (its hooks are kept out of traced code). Run on 2.13.0 and 2.14.1; not run
 # on 2.6.0 (no environment for it here): check there that ``DTensor.__new__`` alone sets
-# ``_spec`` and ``_local_tensor``.
-_new_dtensor: Callable[..., Any] = DTensor.__new__
+# ``_spec`` and ``_local_tensor``. ``ShardedParam.accumulate_sharded_grad`` calls it itself
+# with a spec it built once: ``new_dtensor(DTensor, local, spec, requires_grad=...)``.
+new_dtensor: Callable[..., Any] = DTensor.__new__
 
 
 def torch_fsdp_module_class() -> type | None:

@@ -26,7 +26,7 @@ from .errors import (
     FullyShardTypeError,
     FullyShardValueError,
 )
-from .extensions import check_extension_plan
+from .extensions import check_extension_plan, has_extension
 from .group import GroupConfig, ParamGroup
 from .hooks import FSDPState
 from .interop import TorchStateView
@@ -41,6 +41,7 @@ from .mesh import (
 from .module import FSDPModule
 from .observer import JOB_WIDE
 from .param import ShardedParam
+from .persist import PersistentParam, is_persistent
 from .policies import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
@@ -78,6 +79,8 @@ class _ParamPlan:
     # The call's mixed precision as it applies to this parameter: param_dtype_override_fn
     # asked once, here, before anything changes (MixedPrecisionPolicy.for_param).
     mp_policy: MixedPrecisionPolicy
+    # Kept whole on every rank (param_persistence_threshold): Replicate, never gathered.
+    persistent: bool = False
 
 
 @functools.cache
@@ -107,6 +110,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
     quantization_policy: QuantizationPolicy = ...,
+    param_persistence_threshold: int | None = ...,
 ) -> M: ...
 
 
@@ -122,6 +126,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
     quantization_policy: QuantizationPolicy = ...,
+    param_persistence_threshold: int | None = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -136,6 +141,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
     quantization_policy: QuantizationPolicy = QuantizationPolicy(),  # noqa: B008 - frozen, shared
+    param_persistence_threshold: int | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place, and return it.
 
@@ -189,6 +195,24 @@ def fully_shard(
         quantization_policy: all-gather this group's large weights as block-quantized int8
             (see :class:`QuantizationPolicy`; not in torch's FSDP2). The default changes
             nothing.
+        param_persistence_threshold: keep every parameter of fewer than this many elements
+            (norm weights, biases, gates, scalars) whole on every rank: a ``Replicate()``
+            DTensor on the group's mesh (its optimizer state replicated too), never
+            gathered (the module computes with it directly, cast to ``param_dtype``), its
+            gradient all-reduced with every other kept-whole gradient of the model in one
+            flat all-reduce at the end of backward (two on HSDP), divided as the group's
+            sharded gradients are (DeepSpeed's ``stage3_param_persistence_threshold``; not
+            in torch's FSDP2). Costs each such parameter's full size (and its optimizer
+            state's) on every rank instead of ``1/W`` of it; saves its share of the
+            all-gather and the reduce-scatter, and a group whose parameters are all kept
+            whole issues no all-gather at all. A 0-dim parameter (a scalar) is kept whole
+            when the threshold is above 1. A tensor-parallel parameter (a DTensor on
+            ``root["tp"]``) kept whole keeps its TP placements and is ``Replicate()`` on the
+            dp dims; DTensors on the whole SPMD mesh (``dp_mesh_dims``) and tensor
+            subclasses with their own all-gather are sharded as usual; the graph path
+            (``torch.compile`` of the whole model) refuses kept-whole parameters. ``None``
+            (the default) or 0 keeps nothing whole. See
+            docs/recipes/fewer-collectives.md.
 
     Returns:
         ``module``, its class swapped to an ``FSDPModule`` subclass.
@@ -200,6 +224,7 @@ def fully_shard(
         ...     fully_shard(block, mesh=mesh)
         >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> optim = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
+        >>> fully_shard(model, mesh=mesh, param_persistence_threshold=4096)  # doctest: +SKIP
     """
     call = _check_arguments(
         module,
@@ -211,6 +236,7 @@ def fully_shard(
         ignored_params,
         dp_mesh_dims,
         quantization_policy,
+        param_persistence_threshold,
     )
     planned = _plan_groups(call, shard_placement_fn, reshard_after_forward)
     # -- every check passed: from here on the module changes --------------------------------
@@ -233,6 +259,7 @@ class _Call:
     offload_policy: OffloadPolicy
     quantization_policy: QuantizationPolicy
     found: list[_Found]  # the parameters this call owns
+    persistence_threshold: int | None  # param_persistence_threshold, checked
 
 
 @dataclass(frozen=True)
@@ -254,8 +281,10 @@ def _check_arguments(
     ignored_params: object,
     dp_mesh_dims: object,
     quantization_policy: object,
+    param_persistence_threshold: object = None,
 ) -> _Call:
     """Step 1: check every argument and find the parameters the call owns."""
+    threshold = _check_persistence_threshold(param_persistence_threshold)
     spmd_plan = _check_dp_mesh_dims(dp_mesh_dims, mesh, reshard_after_forward)
     modules = _check_modules(module)
     info: MeshInfo | None = None
@@ -290,7 +319,25 @@ def _check_arguments(
         cast(OffloadPolicy, offload_policy),
         cast(QuantizationPolicy, quantization_policy),
         found,
+        threshold,
     )
+
+
+def _check_persistence_threshold(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FullyShardTypeError(
+            f"param_persistence_threshold must be an int (a number of elements) or None, got "
+            f"{value!r} ({type(value).__name__}); e.g. param_persistence_threshold=4096 keeps "
+            "parameters of fewer than 4096 elements whole on every rank"
+        )
+    if value < 0:
+        raise FullyShardValueError(
+            f"param_persistence_threshold={value} is negative; pass a number of elements >= 0 "
+            "(parameters with fewer elements are kept whole on every rank), or None for none"
+        )
+    return value
 
 
 def _check_policies(
@@ -326,7 +373,14 @@ def _plan_groups(
     reshard_after_forward: bool | int | None,
 ) -> list[_GroupPlan]:
     """Step 2: decide each parameter's placement and mesh, and split them into groups."""
-    plans = _plan_params(call.found, shard_placement_fn, call.info, call.spmd, call.mp_policy)
+    plans = _plan_params(
+        call.found,
+        shard_placement_fn,
+        call.info,
+        call.spmd,
+        call.mp_policy,
+        call.persistence_threshold,
+    )
     planned = []
     for group_info, group_plans in _group_plans(plans, call.info):
         _check_params(group_plans, group_info)
@@ -350,6 +404,11 @@ def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
         size = group.post_forward_size
         post_forward = None if size is None else post_forward_subgroup(group.info, size)
         shard_device = call.offload_policy.shard_device(group.info.device)
+        persistent = [
+            PersistentParam(plan.param, plan.slots, plan.fqn, group.info, plan.mp_policy, plan.tp)
+            for plan in group.plans
+            if plan.persistent
+        ]
         params = [
             ShardedParam(
                 plan.param,
@@ -363,9 +422,12 @@ def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
                 mp_policy=plan.mp_policy,
             )
             for plan in group.plans
+            if not plan.persistent
         ]
         for p in params:
             p.register(p.sharded_param)
+        for pp in persistent:
+            pp.register(pp.sharded_param)
         config = GroupConfig(
             reshard_after_forward=call.reshard_flag,
             mp_policy=call.mp_policy,
@@ -373,7 +435,7 @@ def _build_groups(call: _Call, planned: list[_GroupPlan]) -> list[ParamGroup]:
             offload_policy=call.offload_policy,
             post_forward=post_forward,
         )
-        groups.append(ParamGroup(params, call.modules, group.info, config, TorchComm()))
+        groups.append(ParamGroup(params, call.modules, group.info, config, TorchComm(), persistent))
     return groups
 
 
@@ -452,7 +514,9 @@ def _install_state_dict_hooks(state: FSDPState) -> None:
             for group in state.groups:
                 group.reshard()
 
-    modules = {id(m): m for p in state.params for m, _ in p.slots}
+    slots = [s for p in state.params for s in p.slots]
+    slots += [s for p in state.persistent for s in p.slots]
+    modules = {id(m): m for m, _ in slots}
     for m in modules.values():
         # Both public since torch 2.5; torch's stubs leave them untyped.
         m.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
@@ -611,7 +675,9 @@ def _owned_elsewhere(modules: tuple[nn.Module, ...]) -> set[int]:
     for top in modules:
         for m in top.modules():
             if isinstance(m, FSDPModule):
-                for p in m._fsdp_state.params:
+                state = m._fsdp_state
+                both: list[ShardedParam | PersistentParam] = [*state.params, *state.persistent]
+                for p in both:
                     owned.add(id(p.sharded_param))
                     if p.unsharded_param is not None:
                         owned.add(id(p.unsharded_param))
@@ -670,14 +736,22 @@ def _plan_params(
     info: MeshInfo,
     spmd: SPMDMesh | None,
     mp_policy: MixedPrecisionPolicy,
+    threshold: int | None = None,
 ) -> list[_ParamPlan]:
     resolver = MeshResolver(info)
     chosen: list[tuple[object, MeshInfo]] = []
-    for p, fqn, _ in found:
-        if p.dim() == 0:
+    # Small enough to keep whole, before its layout is known (a DTensor on the whole SPMD
+    # mesh never is: is_persistent); decided below once it is.
+    whole = [
+        spmd is None and is_persistent(p, threshold, None) and not has_extension(p)
+        for p, _, _ in found
+    ]
+    for (p, fqn, _), persistent in zip(found, whole, strict=True):
+        if p.dim() == 0 and not persistent:
             raise FullyShardValueError(
                 f"parameter {fqn!r} is 0-dimensional (a scalar) and cannot be sharded; reshape "
-                "it to (1,) or pass it in ignored_params"
+                "it to (1,), keep it whole on every rank (param_persistence_threshold=2 or "
+                "more) or pass it in ignored_params"
             )
         result = None if shard_placement_fn is None else shard_placement_fn(p)
         placement, param_info = resolver.resolve(result, fqn)
@@ -694,12 +768,17 @@ def _plan_params(
     for members in by_mesh.values():
         _check_one_dtensor_mesh(members)
     plans = []
-    for (p, fqn, slots), (placement, param_info) in zip(found, chosen, strict=True):
+    for (p, fqn, slots), (placement, param_info), small in zip(found, chosen, whole, strict=True):
         tp: TPLayout | None = None
         if spmd is not None and isinstance(p, DTensor):
             tp = spmd_layout(spmd, p)
         elif isinstance(p, DTensor):
             tp = tp_layout(param_info, p, fqn)
+        if small and is_persistent(p, threshold, tp):
+            # No shard dim to choose: the mesh is all shard_placement_fn decides for it.
+            mp = mp_policy.for_param(p, repr(fqn))
+            plans.append(_ParamPlan(p, fqn, slots, 0, tp, param_info, mp, persistent=True))
+            continue
         dim = _shard_dim(p, fqn, placement, tp)
         if tp is not None:
             check_strided_split(tp, dim, param_info.shard_size, fqn)

@@ -45,12 +45,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._compat import set_grad_enabled
-from .collectives import TorchComm, Waitable, divide_
+from ._compat import profiler_enabled, set_grad_enabled
+from .collectives import Waitable, comm_key, divide_
 from .description import GroupDescription, offsets
 from .group import GroupState, ParamGroup, SharedReduce
-from .observer import CollectiveCall, issue_observed
-from .packing import GatherInput, ProcessGroupAllocator, allocate_buffer, copy_in, pack_grad
+from .observer import JOB_WIDE, CollectiveCall, issue_observed
+from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grad
 from .param import ShardedParam
 
 MIB = 1024 * 1024  # DDP's bucket_cap_mb unit
@@ -84,10 +84,8 @@ def _offloaded(group: ParamGroup) -> bool:
 
 
 def _comm_key(group: ParamGroup) -> Hashable:
-    """Groups with the default collectives (one stateless ``TorchComm`` each) agree; a comm
-    set with ``set_comm`` (a counter, a tool) is matched by identity."""
-    comm = group.comm
-    return TorchComm if type(comm) is TorchComm else id(comm)
+    """Groups with the default collectives agree (:func:`~fully_shard.collectives.comm_key`)."""
+    return comm_key(group.comm)
 
 
 def gather_key(group: ParamGroup) -> Hashable | None:
@@ -327,6 +325,12 @@ class Buckets:
             run.parked = {}
 
 
+def _unwatched(group: ParamGroup) -> bool:
+    """Nobody to tell of a collective issued for ``group``: it goes straight to the comm (as
+    ``ParamGroup``'s own do; the profiler labels would issue it as it is)."""
+    return group.observers is group.unwatched and not (JOB_WIDE.observers or profiler_enabled())
+
+
 def _gather(members: list[ParamGroup], async_op: bool) -> None:
     """One all-gather for ``members``: each one's plain shards at its offset in every row."""
     descs = [m.description for m in members]
@@ -343,23 +347,29 @@ def _gather(members: list[ParamGroup], async_op: bool) -> None:
         rows = output.view(world, total)  # (W, total): row r is rank r's input
         mine = rows[first.rank]
         start = 0
-        for d, per_param in zip(descs, inputs, strict=True):
-            flat: list[GatherInput] = [gi for gis in per_param for gi in gis]
-            copy_in(mine.narrow(0, start, d.gather_total), flat)
+        for d, sent in zip(descs, inputs, strict=True):
+            slot = mine.narrow(0, start, d.gather_total)
+            if sent.whole is not None:
+                torch.cat(sent.whole, out=slot)  # copy_in's own shortcut
+            else:
+                copy_in(slot, sent.flat)
             start += d.gather_total
     finally:
         set_grad_enabled(grad_was)
     comm, group = members[0].comm, first.shard_group
-    work = _Once(
-        issue_observed(
-            members[0],
-            CollectiveCall("all_gather", mine, group),
-            lambda: comm.all_gather(output, mine, group, async_op),
+    if _unwatched(members[0]):
+        work = _Once(comm.all_gather(output, mine, group, async_op))
+    else:
+        work = _Once(
+            issue_observed(
+                members[0],
+                CollectiveCall("all_gather", mine, group),
+                lambda: comm.all_gather(output, mine, group, async_op),
+            )
         )
-    )
     start = 0
-    for m, d, per_param in zip(members, descs, inputs, strict=True):
-        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), per_param)
+    for m, d, sent in zip(members, descs, inputs, strict=True):
+        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent)
         start += d.gather_total
 
 
@@ -404,11 +414,14 @@ def _issue(run: _ReduceRun) -> None:
     del parked
     output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
     comm, group, rs = issuer.comm, desc.reduce_group, desc.reduction.reduce_scatter
-    work = issue_observed(
-        issuer,
-        CollectiveCall("reduce_scatter", flat_in, group),
-        lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
-    )
+    if _unwatched(issuer):
+        work = comm.reduce_scatter(output, flat_in, group, rs, async_op=True)
+    else:
+        work = issue_observed(
+            issuer,
+            CollectiveCall("reduce_scatter", flat_in, group),
+            lambda: comm.reduce_scatter(output, flat_in, group, rs, async_op=True),
+        )
     pending = _BucketReduce(_Once(work), output, flat_in, desc, issuer, members)
     shared = SharedReduce(pending.work, pending.finish)
     pending.shared = shared

@@ -19,7 +19,7 @@ as torch's: ``allocate(size, *, dtype, device)`` for the buffers, ``__call__`` t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -500,6 +500,18 @@ class TorchComm:
             divisor, op = reduction.post_divide, reduction.torch_op()
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         return _finish(_DivideOnWait(work, tensor, divisor), async_op)
+
+
+def comm_key(comm: object) -> Hashable:
+    """What two groups' comms must agree on to share one collective: the default collectives
+    (one stateless ``TorchComm`` per group) all agree; a comm set with ``set_comm`` (a
+    counter, a tool) is matched by identity.
+
+    Example:
+        >>> comm_key(TorchComm()) == comm_key(TorchComm())
+        True
+    """
+    return TorchComm if type(comm) is TorchComm else id(comm)
 
 
 @dataclass(frozen=True)

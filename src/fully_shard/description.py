@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from .collectives import ReducePlan, plan_reduction
 from .packing import wire_dtype
+from .persist import KeptWhole
 from .quantize import PLAIN
 from .storage import DenseStorage, WholeShard
 
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from .group import GroupConfig
     from .mesh import MeshInfo
     from .param import ShardedParam
+    from .persist import PersistentParam
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,13 @@ class GroupDescription:
         native_avg: the backend has an AVG op (NCCL); gloo sums and divides.
         sync, reduce_unused, unshard_in_backward: the options of the same names
             (``requires_gradient_sync``, ``reduce_scatter_unused_params``).
+        input_dtype: the dtype the group's module's floating-point forward inputs are cast
+            to (``MixedPrecisionPolicy.forward_input_dtype``), or ``None`` to leave them.
+        kept_whole: the parameters kept whole on every rank (``param_persistence_threshold``,
+            :mod:`fully_shard.persist`), the third placement beside the slots' ``Shard``:
+            never gathered, their gradients all-reduced at the end of backward as this
+            says; ``None`` when the group has none. The slots, the gather and the
+            reduce-scatter hold only the sharded parameters.
 
     Example:
         >>> group.description.reduction.reduce_scatter.op  # doctest: +SKIP
@@ -135,6 +145,8 @@ class GroupDescription:
     sync: bool
     reduce_unused: bool
     unshard_in_backward: bool
+    input_dtype: torch.dtype | None
+    kept_whole: KeptWhole | None = None
 
 
 def _slot(p: ShardedParam) -> ParamSlot:
@@ -176,15 +188,46 @@ def _plain_gather(
     return wire, tuple(s.padded_numel for s in sent)
 
 
-def _reduce_dtype(params: list[ShardedParam]) -> torch.dtype:
+def _reduce_dtype(params: Sequence[ShardedParam | PersistentParam]) -> torch.dtype:
     """One reduce dtype per group (``fully_shard`` checked the trainable parameters agree)."""
     trainable = [p for p in params if p.sharded_param.requires_grad] or params
     first = trainable[0]
     return first.mp_policy.reduce_dtype_for(first.orig_dtype)
 
 
-def describe(params: list[ShardedParam], info: MeshInfo, config: GroupConfig) -> GroupDescription:
-    """Read the description of a group of ``params`` on ``info`` with ``config``, now.
+def _kept_whole(
+    persistent: Sequence[PersistentParam], info: MeshInfo, config: GroupConfig, dtype: torch.dtype
+) -> KeptWhole | None:
+    """The end-of-backward all-reduce of the persistent parameters: a sum over every
+    data-parallel rank, divided as the group's reduction divides (its plan for one flat
+    group of them all: the division split around the sum where the dtype could overflow)."""
+    if not persistent:
+        return None
+    plan = plan_reduction(
+        dtype,
+        info.dp_size,
+        1,
+        factor=config.gradient_divide_factor,
+        force_sum=True,
+        device_type=info.device.type,
+    )
+    replicate = info.replicate_group
+    return KeptWhole(
+        fqns=tuple(p.fqn for p in persistent),
+        groups=(info.shard_group,) if replicate is None else (info.shard_group, replicate),
+        pre_divide=plan.reduce_scatter.pre_divide,
+        post_divide=plan.post_divide,
+    )
+
+
+def describe(
+    params: list[ShardedParam],
+    info: MeshInfo,
+    config: GroupConfig,
+    persistent: Sequence[PersistentParam] = (),
+) -> GroupDescription:
+    """Read the description of a group of ``params`` (and ``persistent`` ones, kept whole)
+    on ``info`` with ``config``, now.
 
     Example:
         >>> desc = describe(group.params, group.info, group.config)  # doctest: +SKIP
@@ -194,7 +237,8 @@ def describe(params: list[ShardedParam], info: MeshInfo, config: GroupConfig) ->
     pieces: dict[torch.dtype, list[int]] = {}
     for i, slot in enumerate(slots):
         pieces.setdefault(slot.compute_dtype, []).append(i)
-    reduce_dtype = _reduce_dtype(params) if params else torch.float32
+    both: list[ShardedParam | PersistentParam] = [*params, *persistent]
+    reduce_dtype = _reduce_dtype(both) if both else torch.float32
     reduction = plan_reduction(
         reduce_dtype,
         info.shard_size,
@@ -228,6 +272,8 @@ def describe(params: list[ShardedParam], info: MeshInfo, config: GroupConfig) ->
         sync=config.requires_gradient_sync,
         reduce_unused=config.reduce_scatter_unused_params,
         unshard_in_backward=config.unshard_in_backward,
+        input_dtype=config.mp_policy.forward_input_dtype(),
+        kept_whole=_kept_whole(persistent, info, config, reduce_dtype),
     )
 
 

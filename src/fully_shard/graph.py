@@ -43,6 +43,11 @@ structure (:func:`_region_call`; what makes a structure: :mod:`fully_shard.regio
 first step's compilation grows little with the depth. ``set_compile_region(False)`` traces a
 block inline instead.
 
+With ``set_bucket_cap_mb`` on the root, runs of consecutive groups gather with one all-gather
+and reduce with one reduce-scatter in the graph, as the eager engine's buckets do
+(:class:`_GatherBucket`; the rules, and how buckets meet regions, are in the section "buckets
+in the graph" at the end of this module).
+
 Python facts (the options, the layouts, the process groups) are read once, when dynamo
 traces, by functions it calls as constants (:func:`_plan_for`); dynamo guards on the options
 they depend on, so ``set_requires_gradient_sync`` and the other setters recompile once per
@@ -59,12 +64,13 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import has_static_value
 from torch.utils.checkpoint import checkpoint
 
 from ._compat import (
@@ -80,6 +86,9 @@ from ._compat import (
     has_backward_or_global_hooks,
     has_compile_regions,
 )
+
+# The eager engine's bucket rules (which groups may share a collective, the cut under a cap).
+from .bucket import gather_bytes, gather_key, reduce_bytes, reduce_key, runs_of
 
 # What the graph path takes from the eager engine's communication module, in one place (the
 # graph path packs its own buffers, out of place, so that they trace as pure operations).
@@ -272,6 +281,12 @@ class GraphRun:
     # compiled on its own) and whose post-forward ends it
     gathered: set[int]  # id() of the states whose groups were gathered in this forward
     shown: list[tuple[nn.Module, str]]  # (module, name) entries put in module.__dict__
+    # set_bucket_cap_mb: each group's run (_graph_buckets, by place); the gathered tensors of
+    # the groups whose run gathered them before their module was called; the places a run
+    # gathered.
+    bucket_of: BucketPlan = ()
+    pending: dict[Place, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    taken: set[Place] = field(default_factory=set)
 
 
 def _refuse(group: ParamGroup, what: str, instead: str) -> None:
@@ -323,6 +338,15 @@ def check_traceable(group: ParamGroup) -> None:
             group,
             "a tool watches its collectives (fully_shard.debug's checker, a trace recorder)",
             "Turn the tool off for the compiled run, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
+        )
+    if group.persistent:
+        _refuse(
+            group,
+            f"{group.persistent[0].fqn!r} is kept whole on every rank "
+            "(param_persistence_threshold), which the traced gather does not show the module",
+            "Compile each block instead with block.compile() (the hooks, which show the module "
+            "those parameters, then run outside the compiled code; torch.compile(block) after "
+            "fully_shard takes this path too), or pass param_persistence_threshold=None",
         )
     quant = config.quantization_policy
     for p in group.params:
@@ -377,9 +401,10 @@ CONFIG_FIELDS: dict[str, str] = {
     "reshard_after_forward": "honoured",  # the gather recomputed in backward, or kept
     "reshard_after_backward": "no effect",  # every traced forward gathers anew
     "requires_gradient_sync": "described",
-    # the input and output casts; the dtypes each parameter gathers and reduces in are its own
-    # policy's, fixed by fully_shard, and in the description
-    "mp_policy": "honoured",
+    # the input cast is in the description; the output cast is read when a forward is traced;
+    # the dtypes each parameter gathers and reduces in are its own policy's, fixed by
+    # fully_shard, and in the description
+    "mp_policy": "described",
     "quantization_policy": "refused",  # int8 gathers
     "offload_policy": "refused",
     "post_forward": "refused",  # reshard_after_forward=<int>
@@ -403,9 +428,8 @@ CONFIG_FIELDS: dict[str, str] = {
 # on each value (a bool by value, an object by identity): set_requires_gradient_sync replaces
 # the config object, and a guard on that identity would recompile at every flip instead of
 # once per value.
-_CONFIG_FIELDS = (
-    *(name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")),
-    "mp_policy",
+_CONFIG_FIELDS = tuple(
+    name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")
 )
 
 
@@ -533,10 +557,12 @@ def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
 
 
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
-    for group in state.groups:
-        if not group.params:
+    for j, group in enumerate(state.groups):
+        if not (group.params or group.persistent):  # kept-whole ones: refused by _plan_for
             continue
-        fulls = _gather(group, reshard)
+        fulls = _bucket_gathered(run, state, j, reshard)
+        if fulls is None:
+            fulls = _gather(group, reshard)
         for p, full in zip(group.params, fulls, strict=True):
             shown = full if p.tp is None else _on_tp_mesh(full, p.tp)
             for module, name in p.slots:
@@ -555,7 +581,8 @@ def graph_pre_forward(
     run = ctx.graph_run
     if run is None:  # the outermost sharded module of the traced frame starts the run
         _check_root_options(state, ctx.manual_finalization)
-        run = GraphRun(id(state), set(), [])
+        caps = tuple(s.bucket_cap for s in ctx.states)  # guarded: a new cap recompiles
+        run = GraphRun(id(state), set(), [], _graph_buckets(state, *caps))
         ctx.graph_run = run
     if id(state) not in run.gathered:
         _show(run, state, state.reshard_after_forward)
@@ -737,11 +764,15 @@ def _input_meta(x: Any) -> Any:
     """What the region's trace assumes about one argument, or ``False`` if the key cannot hold
     it (a tensor subclass, a symbolic size, an object). Loop-free: each loop dynamo traces
     costs it an exception at its end, per block."""
+    # A symbolic size (dynamo made a dimension dynamic after seeing it change) is an int to
+    # type() and isinstance() while dynamo traces: has_static_value is what tells them apart.
     if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor or type(x.numel()) is not int:  # a subclass, symbolic
+        if type(x) is not torch.Tensor or not has_static_value(x.numel()):
             return False
         return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-    if x is None or type(x) in (bool, int, float, str):
+    if x is None or type(x) is str:
+        return (type(x), x)
+    if type(x) in (bool, int, float) and has_static_value(x):
         return (type(x), x)
     return False
 
@@ -773,6 +804,10 @@ def _region_call(
     metas = tuple(map(_input_meta, user))
     if False in metas:
         return False, None
+    if _in_bucket(state):
+        if state.reshard_after_forward and state.config.unshard_in_backward:
+            return False, None  # inline: see "buckets in the graph" below
+        return True, state._cast_output(_gathered_region_call(module, state, kwargs, user, metas))
     # The gather's inputs: each group's extra, then its shards (their metadata is read off the
     # parameters by _region_key, which also reads each group's plan).
     extras: list[torch.Tensor | None] = []
@@ -899,3 +934,256 @@ def graph_call(
             )
             output = output if result is None else result
     return output
+
+
+# -- buckets in the graph (set_bucket_cap_mb) ----------------------------------------------------
+#
+# With a cap, a run of consecutive groups (fully_shard.bucket's runs_of, over the groups in
+# forward order) gathers with one all-gather and reduces with one reduce-scatter in the traced
+# graph too, so the compiler is not left to find the buckets. The run's first group to be
+# called gathers the whole run (_GatherBucket), in the root graph; the others take their
+# gathered tensors from the run (GraphRun.pending) when their module is called. The bucket's
+# backward is its reduction: autograd runs it once every member's gradients exist, that is
+# after the run's last group in backward order (its first in forward order), as the eager
+# bucket's reduce-scatter waits for the run's last group. Which groups and in which order:
+#
+# - the order the eager engine recorded, if an eager iteration ran before the first trace;
+#   otherwise the module tree's pre-order (the root first, then the blocks as registered),
+#   which is the forward order of a model that calls its blocks in registration order. In
+#   another order a run still gathers once, at its first member called: the buckets are then
+#   less useful (gathered early), never wrong.
+# - one run serves both collectives, so its groups must agree on both (bucket.gather_key and
+#   bucket.reduce_key), gather in one dtype (no param_dtype_override_fn mix), and reshard
+#   alike (reshard_after_forward, unshard_in_backward: the run's gather is recomputed in
+#   backward, or kept, as a whole). A buffer counts the larger of its all-gather and its
+#   reduce-scatter bytes against the cap. The eager engine cuts its reductions from the other
+#   end (runs in backward order), so where the groups do not divide into full buckets the two
+#   runtimes may split the last bucket differently; the numbers agree all the same.
+# - regions: the run's gather sits in the root graph, before its first block, and a block in
+#   a run of several that keeps its parameters after forward (reshard_after_forward=False)
+#   is a region that takes its gathered tensors as inputs (_gathered_region_body; blocks of
+#   one structure still share it). One that reshards after forward is traced inline instead:
+#   a region saves the tensors it takes for its backward, so the run's gathered parameters
+#   would be kept from forward to backward instead of gathered again (the backward graph's
+#   all-gather vanishes). Blocks outside every run keep their regions as before.
+#
+# The caps are read in the traced code, so dynamo guards on them: set_bucket_cap_mb after the
+# first compiled step recompiles once, and the new graph has the new buckets.
+
+
+def _graph_key(group: ParamGroup, reshard: bool) -> Any:
+    """What must agree for two groups to share a bucket in the graph; ``None``: never."""
+    gather, reduce = gather_key(group), reduce_key(group)
+    if gather is None or reduce is None or len(group.description.pieces) != 1:
+        return None
+    return (gather, reduce, reshard, group.config.unshard_in_backward)
+
+
+def _graph_bytes(group: ParamGroup) -> int:
+    d = group.description
+    return max(gather_bytes(d), reduce_bytes(d))
+
+
+Place = tuple[int, int]
+"""A group under the root: its state's index in ``RootContext.states``, its index there."""
+BucketPlan = tuple[tuple[tuple[Place, ...], ...], ...]
+"""Per state under the root, per group: the places of its run, or ``()`` (no bucket)."""
+
+
+@assume_constant_result
+def _graph_buckets(state: FSDPState, *caps: int | None) -> BucketPlan:
+    """For each state under ``state``'s root, for each of its groups: its run, if it is in a
+    run of several, else ``()`` (``caps``, every state's ``bucket_cap``, is passed so that
+    dynamo guards on each). Places, not groups: a group held by a constant has no source for
+    the guards that reading its options installs, so the traced code looks the groups up."""
+    ctx = state.root
+    if ctx is None or not state.is_root or not any(caps):
+        return ()  # a block compiled on its own: the rest of its bucket is not in its graph
+    order = ctx.forward_order if ctx.order_recorded else ctx.states
+    place = {g: (i, j) for i, s in enumerate(ctx.states) for j, g in enumerate(s.groups)}
+    owner = {g: s for s in ctx.states for g in s.groups}
+    groups = [g for s in order for g in s.groups if g.params]
+    for g in groups:
+        check_traceable(g)  # refused by name before its description is read
+
+    def key(g: ParamGroup) -> Any:
+        return _graph_key(g, owner[g].reshard_after_forward)
+
+    runs = runs_of(groups, key, _graph_bytes, lambda g: owner[g].bucket_cap)
+    run_of = {g: tuple(place[m] for m in run) for run in runs if len(run) > 1 for g in run}
+    return tuple(tuple(run_of.get(g, ()) for g in s.groups) for s in ctx.states)
+
+
+@assume_constant_result
+def _state_index(state: FSDPState) -> int:
+    ctx = state.root
+    return -1 if ctx is None else ctx.states.index(state)
+
+
+def _in_bucket(state: FSDPState) -> bool:
+    """Whether one of ``state``'s groups is in a run of several in this traced forward."""
+    ctx = state.root
+    run = None if ctx is None else ctx.graph_run
+    if run is None or not run.bucket_of:
+        return False
+    return any(run.bucket_of[_state_index(state)])
+
+
+def _bucket_gathered(
+    run: GraphRun, state: FSDPState, j: int, reshard: bool
+) -> tuple[torch.Tensor, ...] | None:
+    """The gathered tensors of ``state``'s group ``j`` if its run gathers it (now, if it is
+    the first of its run to be called in this forward, with the others not gathered yet; or
+    earlier), else ``None``: it gathers alone."""
+    if not run.bucket_of:
+        return None
+    me = (_state_index(state), j)
+    fulls = run.pending.pop(me, None)
+    if fulls is not None:
+        return fulls
+    bucket = run.bucket_of[me[0]][j]
+    members = [m for m in bucket if m == me or m not in run.taken]
+    if len(members) < 2:
+        return None
+    states = state.root.states  # type: ignore[union-attr]
+    groups = [states[i].groups[k] for i, k in members]
+    plans = tuple(_plan_of(g) for g in groups)
+    extras = [_extra_of(g, p) for g, p in zip(groups, plans, strict=True)]
+    shards = [_local(p) for g in groups for p in g.params]
+    gather = functools.partial(_GatherBucket.apply, plans, len(groups))
+    if reshard and state.groups[j].config.unshard_in_backward:  # as _gather_shards
+        out = checkpoint(gather, *extras, *shards, use_reentrant=False, preserve_rng_state=False)
+    else:
+        out = gather(*extras, *shards)
+    start = 0
+    mine: tuple[torch.Tensor, ...] = ()
+    for m, g in zip(members, groups, strict=True):
+        run.taken.add(m)
+        fulls = tuple(out[start : start + len(g.params)])
+        if m == me:
+            mine = fulls
+        else:
+            run.pending[m] = fulls
+        start += len(g.params)
+    return mine
+
+
+class _GatherBucket(torch.autograd.Function):
+    """:class:`_GatherGroup` for a run of groups: one all-gather of their shards side by side
+    in every rank's row (each group's layout as it gathers alone, in run order), and in
+    backward one reduce-scatter of their packed gradients, side by side the same way.
+
+    Inputs: the groups' descriptions, their count ``n``, each group's ``extra`` (see
+    :class:`_GatherGroup`), then every group's shards in order.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, plans: tuple[GroupDescription, ...], n: int, *tensors: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        extras, shards = tensors[:n], tensors[n:]
+        ctx.plans = plans
+        ctx.kept = [e is not None and p.sync for p, e in zip(plans, extras, strict=True)]
+        ctx.save_for_backward(*(e for e, k in zip(extras, ctx.kept, strict=True) if k))
+        slots = [s for p in plans for s in p.slots]
+        parts = []
+        for shard, slot in zip(shards, slots, strict=True):
+            if shard is None:
+                raise FullyShardStateError("bucket gather without a shard (internal error)")
+            parts.append(_padded(shard.to(slot.compute_dtype), slot).reshape(-1))
+        first = plans[0]
+        flat = funcol_all_gather(torch.cat(parts), first.world, first.shard_group_name)
+        blocks = torch.split(flat.view(first.world, -1), [s.padded_numel for s in slots], dim=1)
+        return tuple(_unranked(b, s) for b, s in zip(blocks, slots, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plans: tuple[GroupDescription, ...] = ctx.plans
+        n, first = len(plans), plans[0]
+        kept = iter(ctx.saved_tensors)
+        extras: list[torch.Tensor | None] = [None] * n
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        columns, landing = [], []  # each group's (W, total) packed gradients; where they go
+        start = 0
+        for j, plan in enumerate(plans):
+            mine = grads[start : start + len(plan.slots)]
+            trainable = [i for i in range(len(mine)) if ctx.needs_input_grad[2 + n + start + i]]
+            if not plan.sync:  # kept unreduced, in the accumulator's gradient
+                extras[j] = _pack_grads(plan, mine, trainable)
+            else:
+                k = next(kept) if ctx.kept[j] else None
+                whole = k is not None or plan.reduce_unused
+                members = trainable if whole else [i for i in trainable if mine[i] is not None]
+                if members:
+                    flat = _pack_grads(plan, mine, members)
+                    flat = flat if k is None else flat + k
+                    columns.append(flat.view(plan.world, -1))
+                    landing.append((plan, start, members))
+            start += len(plan.slots)
+        if columns:
+            flat = _reduce_flat(first, torch.cat(columns, dim=1).reshape(-1))
+            sizes = [plan.slots[i].padded_numel for plan, _, members in landing for i in members]
+            pieces = iter(torch.split(flat, sizes))
+            for plan, at, members in landing:
+                for i in members:
+                    p = plan.slots[i]
+                    rows = next(pieces).view(p.padded_shard).narrow(p.dim, 0, p.local_rows)
+                    out[at + i] = rows.to(p.orig_dtype)
+        return (None, None, *extras, *out)
+
+
+def _gathered_region_body(
+    key: int, module: nn.Module, n_args: int, n_kwargs: int, *flat: Any
+) -> Any:
+    """A bucketed block's call as a region: its parameters come gathered (by its bucket, in
+    the calling graph), so the region is its forward alone. ``flat``: the keyword names, every
+    group's gathered tensors, the positional arguments, the keyword values."""
+    state: FSDPState = module._fsdp_state  # type: ignore[assignment]
+    names, rest = flat[:n_kwargs], flat[n_kwargs:]
+    shown: list[tuple[nn.Module, str]] = []
+    for group in state.groups:
+        for p in group.params:
+            # Copied in as the arguments are (_register_region_input): a block saves its weights
+            # for backward as it saves views of its input. Not reproduced with gathered weights
+            # (tests/test_buckets.py's net, inductor, torch 2.13: exact without the copy); kept
+            # because the mechanism is the same.
+            full, rest = _owned(rest[0]), rest[1:]
+            for mod, name in p.slots:
+                mod.__dict__[name] = full
+                shown.append((mod, name))
+    rest = tuple(map(_owned, rest))
+    output = module.forward(*rest[:n_args], **dict(zip(names, rest[n_args:], strict=True)))
+    for mod, name in shown:
+        del mod.__dict__[name]
+    return _owned_output(output)  # as _region_body's, for the same reason
+
+
+_gathered_region = compile_region(_gathered_region_body, _region_reuse_key)
+
+
+@assume_constant_result
+def _gathered_key(state: FSDPState, metas: tuple[Any, ...]) -> int:
+    """The key of a bucketed block's region: its structure and what it takes (the gathered
+    tensors' and the arguments' metadata, the keyword names)."""
+    return hash(("gathered", block_structure(state.modules[0]), metas))
+
+
+def _gathered_region_call(
+    module: nn.Module,
+    state: FSDPState,
+    kwargs: dict[str, Any],
+    user: tuple[Any, ...],
+    metas: tuple[Any, ...],
+) -> Any:
+    """Gather the block's groups (their buckets, in the calling graph), call its region."""
+    run: GraphRun = state.root.graph_run  # type: ignore[union-attr]
+    reshard = state.reshard_after_forward
+    fulls: list[torch.Tensor] = []
+    for j, group in enumerate(state.groups):
+        if group.params:
+            mine = _bucket_gathered(run, state, j, reshard)
+            fulls.extend(_gather(group, reshard) if mine is None else mine)
+    names = tuple(kwargs)
+    key = int(_gathered_key(state, (*map(_input_meta, fulls), *metas, *names)))
+    n_args = len(user) - len(names)
+    return _gathered_region(key, module, n_args, len(names), *names, *fulls, *user)

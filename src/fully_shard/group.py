@@ -63,6 +63,7 @@ from .packing import (
     wire_dtype,
 )
 from .param import ShardedParam
+from .persist import PersistentParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from .quantize import PLAIN
 from .storage import DenseStorage, WholeShard
@@ -177,6 +178,19 @@ class _PendingGather:
 
 
 @dataclass
+class _SharedInputs:
+    """What a group sends in a bucket's all-gather: its inputs in the description's layout,
+    their flat views when each fills its slot (one ``torch.cat``), per parameter (empty when
+    replayed from the group's :class:`_DenseGather`), and whether the copy-out may take (or
+    establish) the dense replay."""
+
+    flat: list[GatherInput]
+    whole: list[torch.Tensor] | None
+    per_param: list[list[GatherInput]]
+    plain: bool
+
+
+@dataclass
 class _DenseGather:
     """What a group's plain gathers repeat under one description (every side a
     :class:`~fully_shard.storage.DenseStorage`, every parameter one plain input in the
@@ -197,6 +211,8 @@ _NOTHING_SENT = _PendingGather(None, None, 1, [], ())
 
 # ShardedParam.sharded_param, read as a C call (ParamGroup.sharded_versions).
 _SHARDED_PARAM = operator.attrgetter("sharded_param")
+# ShardedParam.local_shard's tensor, read as a C call (ParamGroup._reduces_to_itself).
+_LOCAL_SHARD = operator.attrgetter("_local")
 
 
 @dataclass
@@ -278,8 +294,15 @@ class ParamGroup:
         info: MeshInfo,
         config: GroupConfig,
         comm: Comm,
+        persistent: list[PersistentParam] | None = None,
     ) -> None:
         self.params = params
+        # The parameters kept whole on every rank (param_persistence_threshold): shown at
+        # every unshard and hidden at every reshard, never gathered or reduce-scattered.
+        self.persistent: list[PersistentParam] = [] if persistent is None else persistent
+        # Their gradients wait for the end of backward's all-reduce (a post-backward with
+        # gradient sync on ran since the last one: fully_shard.persist).
+        self.persistent_ready = False
         self.modules = modules
         self.info = info
         self.config = config
@@ -335,7 +358,7 @@ class ParamGroup:
         both runtimes."""
         desc, config = self._description, self.config
         if desc is None or self._described is not config:
-            desc = self._description = describe(self.params, self.info, config)
+            desc = self._description = describe(self.params, self.info, config, self.persistent)
             self._described = config
         return desc
 
@@ -344,13 +367,16 @@ class ParamGroup:
         the description again at its next use: dtypes and sides may have changed."""
         for p in self.params:
             p.sync_with_module(self.config.quantization_policy)
+        for pp in self.persistent:
+            pp.sync_with_module()
         self._description = None
 
     def __repr__(self) -> str:
         quant = self.config.quantization_policy
         tag = f" (int8/{quant.block_size})"
         names = ", ".join(
-            p.fqn + (tag if p.gather_format(quant) is not PLAIN else "") for p in self.params
+            [p.fqn + (tag if p.gather_format(quant) is not PLAIN else "") for p in self.params]
+            + [f"{pp.fqn} (whole)" for pp in self.persistent]
         )
         return f"ParamGroup([{names}], {self.state.name})"
 
@@ -421,6 +447,13 @@ class ParamGroup:
             p.alloc_storage()
             p.set_unsharded_grad_dtype()
             p.free_storage()
+        for pp in self.persistent:
+            if pp.local.device.type == "meta":
+                raise FullyShardStateError(
+                    f"parameter {self.name_from_root(pp.fqn)!r} is still on the meta device at "
+                    "the first forward; call module.to_empty(device=...) and initialise the "
+                    "parameters (e.g. reset_parameters()) before running the model"
+                )
 
     def name_from_root(self, fqn: str) -> str:
         """A parameter's ``fqn`` (relative to the sharded module; ``[i].name`` in a list
@@ -603,7 +636,13 @@ class ParamGroup:
             # Trainable is whatever the sharded parameter says now: requires_grad_() after
             # fully_shard is followed, not the value it had when it was wrapped.
             unsharded.requires_grad_(p.sharded_param.requires_grad)
-            p.register(unsharded)
+            if p.post_forward_shown is not None:
+                p.register(unsharded)
+            else:  # ShardedParam.register, inline (twice per parameter per step)
+                for module, name in p.slots:
+                    module._parameters[name] = unsharded
+        for pp in self.persistent:
+            pp.show()
         if GroupState.UNSHARDED not in _TRANSITIONS[self.state]:
             self._transition(GroupState.UNSHARDED, "wait_for_unshard()")
         self.state = GroupState.UNSHARDED
@@ -690,6 +729,8 @@ class ParamGroup:
             self._pieces_cut = True
             for p in self.params:
                 p.reshard_to_post_forward(sub, free=not self.config.keep_unsharded_storage)
+            for pp in self.persistent:
+                pp.hide()
             self._transition(GroupState.SHARDED, "reshard_after_forward()")
 
     def post_forward_nbytes(self) -> int:
@@ -721,7 +762,14 @@ class ParamGroup:
         for p in self.params:
             if free:
                 p.free_storage()
-            p.register(p.sharded_param)
+            if p.post_forward_shown is not None:
+                p.register(p.sharded_param)
+            else:  # ShardedParam.register, inline (twice per parameter per step)
+                sharded = p.sharded_param
+                for module, name in p.slots:
+                    module._parameters[name] = sharded
+        for pp in self.persistent:
+            pp.hide()
         if GroupState.SHARDED not in _TRANSITIONS[self.state]:
             self._transition(GroupState.SHARDED, "reshard()")
         self.state = GroupState.SHARDED
@@ -754,12 +802,15 @@ class ParamGroup:
         if desc is None or self._described is not self.config:
             desc = self.description
         params = self.params
+        if self.persistent:
+            self._keep_persistent_grads(desc)
         trainable = [i for i, p in enumerate(params) if p.sharded_param.requires_grad]
         if not self.config.requires_gradient_sync:
             for i in trainable:
                 params[i].keep_unsharded_grad(desc.reduce_dtype)
             return
-        self.finish_reduce()  # a reduction still in flight from an earlier backward
+        if self._pending_reduce is not None:  # in flight from an earlier backward
+            self.finish_reduce()
         partial = self._partial_reduce
         grads = [(i, params[i].take_unsharded_grad()) for i in trainable]
         packed = [
@@ -801,6 +852,17 @@ class ParamGroup:
         output = allocate_buffer(allocator, total, desc.reduce_dtype, desc.device)
         work = self._issue_reduce_scatter(output, flat_in, desc.reduce_group, rs)
         self._pending_reduce = _PendingReduce(work, output, flat_in, members, starts)
+
+    def _keep_persistent_grads(self, desc: GroupDescription) -> None:
+        """The persistent parameters' gradients join their pending sums; with gradient sync
+        on, the group waits for the end of backward's all-reduce (every rank's group does,
+        since every rank runs this post-backward)."""
+        pending = False
+        for pp in self.persistent:
+            if pp.requires_grad:
+                pending |= pp.keep_grad(desc.reduce_dtype, unused=desc.reduce_unused)
+        if self.config.requires_gradient_sync and pending:
+            self.persistent_ready = True
 
     def _issue_reduce_scatter(
         self, output: torch.Tensor, flat_in: torch.Tensor, group: dist.ProcessGroup, rs: Reduction
@@ -854,7 +916,7 @@ class ParamGroup:
         ):
             return False
         for i, g in packed:
-            local = self.params[i].local_shard
+            local = _LOCAL_SHARD(self.params[i])
             if (
                 g is None
                 or g.requires_grad
@@ -939,24 +1001,36 @@ class ParamGroup:
 
     # -- buckets (fully_shard.bucket): one collective for several groups ---------------------
 
-    def start_shared_gather(self) -> list[list[GatherInput]]:
-        """Begin an unshard whose all-gather a bucket issues: move to UNSHARDING and return
-        what each parameter sends (plain shards, laid out as the description says)."""
+    def start_shared_gather(self) -> _SharedInputs:
+        """Begin an unshard whose all-gather a bucket issues: move to UNSHARDING and say what
+        this group sends (plain shards, laid out as the description says)."""
         self._transition(GroupState.UNSHARDING, "unshard() (bucketed)")
-        self.begin("unshard")
-        self._drop_pieces()
+        if self.observers is not self.unwatched or self.labels.open or profiler_enabled():
+            self.begin("unshard")
+        if self._pieces_cut:
+            self._drop_pieces()
         self._gathered_versions = self.sharded_versions()
+        desc, dense = self.description, self._dense
+        if dense is not None and self._dense_for is desc:  # as _unshard_dense repeats it
+            return _SharedInputs(dense.inputs, dense.whole, [], True)
         quant = self.config.quantization_policy
-        return [p.all_gather_inputs(quant) for p in self.params]
+        per_param = [p.all_gather_inputs(quant) for p in self.params]
+        flat = [gi for gis in per_param for gi in gis]
+        plain = len(flat) == len(self.params) and all(
+            isinstance(p.unsharded_side, DenseStorage) for p in self.params
+        )
+        return _SharedInputs(flat, None, per_param, plain)
 
     def adopt_gather(
-        self, work: Waitable | None, columns: torch.Tensor, inputs: list[list[GatherInput]]
+        self, work: Waitable | None, columns: torch.Tensor, inputs: _SharedInputs
     ) -> None:
         """The bucket's all-gather is out: ``columns`` ``(W, gather_total)`` is this group's
         part of its ``(W, bucket total)`` buffer; :meth:`wait_for_unshard` waits for ``work``
         (shared by the bucket's groups, so waited once) and copies them out."""
         desc = self.description
-        self._gather = _PendingGather(work, columns, desc.world, inputs, desc.gather_sizes)
+        self._gather = _PendingGather(
+            work, columns, desc.world, inputs.per_param, desc.gather_sizes, inputs.plain
+        )
 
     def adopt_reduce(self, shared: SharedReduce) -> None:
         """The bucket's reduce-scatter carries this group's gradients: finishing it is this
@@ -1001,6 +1075,12 @@ class ParamGroup:
         for p in self.params:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
+        for pp in self.persistent:
+            if pp.unsharded_param is not None:
+                pp.unsharded_param.grad = None
+            if self.persistent_ready:  # the failed iteration's sums, not yet reduced
+                pp.pending_grad = None
+        self.persistent_ready = False
         if self.state is GroupState.UNSHARDING:
             self.state = GroupState.UNSHARDED
         self.reshard()

@@ -63,6 +63,7 @@ from .errors import FullyShardNotImplementedError, FullyShardStateError
 from .group import GroupConfig, GroupState, ParamGroup
 from .observer import SpanKind
 from .param import ShardedParam
+from .persist import PersistentParam, all_reduce_kept_whole
 
 
 class Phase(enum.Enum):
@@ -213,6 +214,9 @@ class RootContext:
     buckets: Buckets | None = None
     buckets_dirty: bool = True
     bucket_signature: list[Any] = field(default_factory=list)
+    # Whether any group keeps parameters whole (param_persistence_threshold), read at the end
+    # of every backward: which parameters those are is fixed when fully_shard builds them.
+    kept_whole: bool = False
 
     @property
     def in_backward(self) -> bool:
@@ -252,12 +256,8 @@ def _refresh_buckets(ctx: RootContext) -> None:
     states = ctx.states
     signature: list[Any] = [s.bucket_cap for s in states]
     signature += [x for s in states for g in s.groups for x in (g.config, g.description)]
-    old = ctx.bucket_signature
-    if (
-        not ctx.buckets_dirty
-        and len(old) == len(signature)
-        and all(a is b or a == b for a, b in zip(old, signature, strict=True))
-    ):
+    # list == list: items compared by identity first, so an unchanged step costs no Python
+    if not ctx.buckets_dirty and ctx.bucket_signature == signature:
         return
     ctx.bucket_signature, ctx.buckets_dirty = signature, False
     for state in states:
@@ -386,8 +386,13 @@ class FSDPState:
 
     @property
     def params(self) -> list[ShardedParam]:
-        """Every managed parameter of the state, group by group."""
+        """Every sharded parameter of the state, group by group."""
         return [p for group in self.groups for p in group.params]
+
+    @property
+    def persistent(self) -> list[PersistentParam]:
+        """Every parameter the state keeps whole (``param_persistence_threshold``)."""
+        return [p for group in self.groups for p in group.persistent]
 
     def sharded_versions(self) -> list[tuple[int, int]]:
         """:meth:`ParamGroup.sharded_versions` of every group, concatenated."""
@@ -442,6 +447,7 @@ class FSDPState:
                     ctx.states.append(state)
         if self not in ctx.states:
             ctx.states.insert(0, self)
+        ctx.kept_whole = any(g.persistent for state in ctx.states for g in state.groups)
         for state in ctx.states:
             state.root = ctx
             state.is_root = state is self
@@ -503,7 +509,7 @@ class FSDPState:
                 if not it.modules_to_run:
                     self._start_forward(ctx, module)
             it.forward_depth += 1
-            input_dtype = group.config.mp_policy.forward_input_dtype()
+            input_dtype = group.description.input_dtype
             if input_dtype is not None:
                 args, kwargs = _cast_floating((args, kwargs), input_dtype)
             if torch.is_grad_enabled():
@@ -585,8 +591,8 @@ class FSDPState:
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        input_dtype = self.config.mp_policy.forward_input_dtype()
-        if input_dtype is None:
+        input_dtype = self.config.mp_policy.forward_input_dtype()  # traced: the policy, not the
+        if input_dtype is None:  # description, is what the graph path guards on
             return args, kwargs
         return _cast_floating((args, kwargs), input_dtype)  # type: ignore[no-any-return]
 
@@ -946,6 +952,8 @@ class FSDPState:
         """Wait for the reductions in flight (``wait``), reshard, start the next iteration."""
         if ctx.buckets is not None:
             ctx.buckets.flush()  # buckets whose last group's backward did not come
+        if ctx.kept_whole:  # every kept-whole gradient of the model: one all-reduce per step
+            all_reduce_kept_whole([g for state in ctx.states for g in state.groups])
         if wait:
             for state in ctx.states:
                 for group in state.groups:

@@ -447,8 +447,9 @@ class FSDPModule(nn.Module):
         groups' full-size gradients wait for its reduce-scatter. Pays where groups are many
         and small (collective launch latency dominates); the default keeps torch's one
         all-gather and one reduce-scatter per group. Takes effect at the next forward of
-        the root; the first iteration (which records the order) runs unbucketed. Eager
-        only: the compiled graph path still issues one collective per group.
+        the root; the first iteration (which records the order) runs unbucketed. The
+        compiled graph path (``torch.compile(model)``) honours it too: one all-gather and one
+        reduce-scatter per bucket in the graph; a new cap recompiles once.
 
         Example:
             >>> model.set_bucket_cap_mb(25)  # doctest: +SKIP

@@ -62,10 +62,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._compat import (
+    POST_ACCUMULATE_GRAD_HOOKS,
     dtensor_from_spec,
     dtensor_spec,
     grad_dtype,
     local_tensor,
+    new_dtensor,
     post_accumulate_grad_hooks,
     set_grad_dtype,
 )
@@ -172,8 +174,9 @@ class ShardedParam:
         # reshard_after_forward=n: this rank's rows of its n-rank group's split, between a
         # forward and the backward's all-gather (which hands them over and drops them)...
         self._post_forward: tuple[torch.Tensor, ShardLayout] | None = None
-        # ... and those rows as a DTensor on the n-rank mesh, shown until backward's gather.
-        self._post_forward_shown: nn.Parameter | None = None
+        # ... and those rows as a DTensor on the n-rank mesh, shown until backward's gather
+        # (ParamGroup tests it before registering a tensor inline: None, nothing to clear).
+        self.post_forward_shown: nn.Parameter | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -310,16 +313,24 @@ class ShardedParam:
         """Add ``local_grad`` (this rank's reduced rows) into the sharded DTensor's ``.grad``."""
         dtype = self.sharded_grad_dtype or self._local.dtype  # (orig_dtype, read inline)
         local_grad = local_grad.to(dtype=dtype, device=self._local.device)
-        grad = self.sharded_param.grad
+        sharded = self.sharded_param
+        grad = sharded.grad
         if grad is None:
-            self.sharded_param.grad = self._dtensor_from_local(local_grad)
+            spec = self._spec.get(dtype)  # (_dtensor_from_local's first step, read inline)
+            if spec is None:
+                sharded.grad = self._dtensor_from_local(local_grad)
+            else:
+                sharded.grad = new_dtensor(
+                    DTensor, local_grad, spec, requires_grad=local_grad.requires_grad
+                )
         else:
             # Under no_grad, to_local() is the DTensor's own local tensor: add in place.
             _as_dtensor(grad, self.fqn).to_local().add_(local_grad)
         # A user's register_post_accumulate_grad_hook (optimizer-in-backward): once per
-        # reduction, after the sharded gradient is in place.
-        for hook in post_accumulate_grad_hooks(self.sharded_param):
-            hook(self.sharded_param)
+        # reduction, after the sharded gradient is in place (None: none was ever registered).
+        if getattr(sharded, POST_ACCUMULATE_GRAD_HOOKS, None):
+            for hook in post_accumulate_grad_hooks(sharded):
+                hook(sharded)
 
     # -- the all-gather seam: what this parameter sends, and how it is rebuilt ---------------------
     #
@@ -379,8 +390,8 @@ class ShardedParam:
             shape=self.orig_size,
             stride=contiguous_stride(self.orig_size),
         )
-        self._post_forward_shown = nn.Parameter(shown, requires_grad=self.requires_grad)
-        self.register(self._post_forward_shown)
+        self.post_forward_shown = nn.Parameter(shown, requires_grad=self.requires_grad)
+        self.register(self.post_forward_shown)
 
     def has_post_forward(self) -> bool:
         return self._post_forward is not None
@@ -388,7 +399,7 @@ class ShardedParam:
     def drop_post_forward(self) -> None:
         """Forget the post-forward piece; the sharded DTensor is shown again if it was."""
         self._post_forward = None
-        shown, self._post_forward_shown = self._post_forward_shown, None
+        shown, self.post_forward_shown = self.post_forward_shown, None
         module, name = self.slots[0]
         if shown is not None and module._parameters[name] is shown:
             self.register(self.sharded_param)
@@ -431,8 +442,8 @@ class ShardedParam:
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make every slot (module attribute) that refers to this parameter show ``tensor``."""
-        if tensor is not self._post_forward_shown:
-            self._post_forward_shown = None  # its rows are no longer needed once unshown
+        if tensor is not self.post_forward_shown:
+            self.post_forward_shown = None  # its rows are no longer needed once unshown
         for module, name in self.slots:
             module._parameters[name] = tensor  # type: ignore[assignment]  # a Parameter or DTensor Parameter
 

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import FullyShardTypeError, FullyShardValueError, PlanInfeasibleError
 from ..layout import split_rows
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
+from ..quantize import int8_gather_nbytes
 from .activations import Mark, Trace, fake_mode, fake_replica, run_trace, to_fake
 from .buckets import BucketRuns, bucket_runs
 from .repeat import KEEP, expand, find_run, kept_blocks, short_groups, shortened
@@ -470,8 +471,7 @@ def _quant_bytes(
 ) -> int | None:
     if not policy.quantizes(shape, dtype, padded_numel):
         return None
-    # int8 values plus one fp32 scale per block (fully_shard.quantize.Int8BlockGather)
-    return padded_numel + 4 * math.ceil(padded_numel / policy.block_size)
+    return int8_gather_nbytes(padded_numel, policy.block_size)  # what Int8BlockGather sends
 
 
 @dataclass(frozen=True)
