@@ -20,7 +20,7 @@ gloo, the test suite; each entry says which releases it has run on):
   :func:`torch_newton_schulz` (``fully_shard.Muon``) came later: run on 2.13.0 and 2.14.1;
   ``torch_newton_schulz`` falls back to our copy of the arithmetic where torch has no Muon.
 - :func:`forward_hook_ids` and :func:`cache_region_schemas` (the graph path's regions): run
-  on 2.13.0 only (the 2.14.1 environment did not install on 2026-12-07).
+  on 2.13.0 and 2.14.1 (tests/test_regions.py, inductor too).
 
 Releases in between have not been run. An entry whose API may be missing falls back (a probe,
 ``getattr``) or raises ``FullyShardNotImplementedError`` naming the torch version; the others
@@ -570,7 +570,7 @@ def forward_hook_ids(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[in
     """The ids of ``module``'s forward pre-hooks and forward hooks: what the graph path's
     region check reads per block (two tuples of a dict's keys, which dynamo traces in a few
     steps and guards as the dicts' keys; the private dicts :func:`forward_hooks` reads, run
-    with this function on 2.13.0 only)."""
+    with this function on 2.13.0 and 2.14.1)."""
     return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
 
 
