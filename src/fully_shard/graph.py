@@ -458,28 +458,26 @@ def _ensure_accumulator(group: ParamGroup, plan: GroupDescription) -> None:
 
 
 @assume_constant_result
-def _graph_shards_for(group: ParamGroup, *requires_grad: bool) -> bool:
-    """Make each parameter's graph shard, its ``requires_grad`` the sharded parameter's
-    (passed in, so that dynamo guards on each: ``requires_grad_()`` later recompiles once)."""
-    for p, needed in zip(group.params, requires_grad, strict=True):
-        p.graph_shard_for(needed)
+def _graph_shards_made(group: ParamGroup) -> bool:
+    for p in group.params:
+        p.ensure_graph_shard()
     return True
 
 
 def _shards(group: ParamGroup) -> list[torch.Tensor]:
-    """The group's shards as the traced code reads them: plain leaves over the sharded
-    DTensors' local tensors (:meth:`~fully_shard.param.ShardedParam.graph_shard_for`), so
-    that the graph's inputs and gradients are plain tensors."""
-    _graph_shards_for(group, *[p.sharded_param.requires_grad for p in group.params])
+    """The group's shards as the traced code reads them: plain tensors over the sharded
+    DTensors' local tensors, so that the graph's inputs and gradients are plain tensors."""
+    _graph_shards_made(group)
     return [_local(p) for p in group.params]
 
 
 def _local(p: Any) -> torch.Tensor:
-    """A parameter's graph shard (made by :func:`_shards` before it is read)."""
-    leaf = p.graph_shard
-    if leaf is None:
-        raise FullyShardStateError(f"{p.fqn}: graph shard read before it was made (internal error)")
-    return leaf  # type: ignore[no-any-return]
+    """A trainable parameter's graph shard (a leaf whose gradient goes on to the sharded
+    DTensor, :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), a frozen one's local
+    shard. Dynamo guards on ``requires_grad``: ``requires_grad_()`` later recompiles once per
+    value."""
+    trainable: bool = p.sharded_param.requires_grad
+    return p.graph_shard if trainable else p.local_shard  # type: ignore[no-any-return]
 
 
 def _plan_of(group: ParamGroup) -> GroupDescription:

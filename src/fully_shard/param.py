@@ -179,9 +179,8 @@ class ShardedParam:
         self.post_forward_shown: nn.Parameter | None = None
         # Gradients kept unreduced across backward passes with gradient sync off.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
-        # The graph path's shard (graph_shard_for), made at its first trace.
+        # The graph path's shard (ensure_graph_shard), made at its first trace.
         self.graph_shard: torch.Tensor | None = None
-        self._graph_shard_hooked = False
 
     @property
     def requires_grad(self) -> bool:
@@ -261,7 +260,7 @@ class ShardedParam:
             self._local = local
             if self.graph_shard is not None:  # a compiled graph reads the new shard
                 self.graph_shard = None
-                self.graph_shard_for(self.requires_grad)
+                self.ensure_graph_shard()
         self.compute_dtype = self.mp_policy.compute_dtype(self.orig_dtype)
         self._choose_unsharded_side(policy)
         self.register(self.sharded_param)
@@ -340,32 +339,28 @@ class ShardedParam:
 
     # -- the graph path's shard ------------------------------------------------------------------
 
-    def graph_shard_for(self, requires_grad: bool) -> torch.Tensor:
-        """The shard the traced code (:mod:`fully_shard.graph`) reads: a plain leaf over the
-        local shard's storage and version counter, its ``requires_grad`` set to
-        ``requires_grad`` (the sharded parameter's, read where dynamo guards on it).
+    def ensure_graph_shard(self) -> None:
+        """Make :attr:`graph_shard` if this parameter can be trained and has none: the shard
+        the traced code (:mod:`fully_shard.graph`) reads while the sharded parameter requires
+        a gradient (a frozen one's is read as :attr:`local_shard`), a leaf that requires a
+        gradient over the local shard's storage and version counter.
 
         Why not ``sharded_param.to_local()``: a DTensor input of the compiled graph makes
         AOTAutograd wrap its gradient back into a DTensor in Python at every step
         (``__tensor_unflatten__``, a ``DTensorSpec`` built and checked: 9 µs a parameter
-        against 0.7 µs for the constructor below, torch 2.13, CPU), and autograd then
-        accumulates it through DTensor dispatch. A plain leaf's gradient is accumulated in
-        C++, and its hook (:meth:`_take_graph_grad`) moves it onto the sharded DTensor's
-        ``.grad`` as the eager engine's reduction does. What keeps the alias true: the
-        optimizer steps the DTensor in place (the same storage); ``_apply`` replacing the
-        shard renews the leaf (:meth:`sync_with_module`).
+        against 0.7 µs for the constructor ``accumulate_sharded_grad`` calls, torch 2.13,
+        CPU), and autograd then accumulates it through DTensor dispatch. A plain leaf's
+        gradient is accumulated in C++, and its hook (:meth:`_take_graph_grad`) moves it onto
+        the sharded DTensor's ``.grad`` as the eager engine's reduction does. What keeps the
+        alias true: the optimizer steps the DTensor in place (the same storage); ``_apply``
+        replacing the shard makes the leaf again (:meth:`sync_with_module`).
         """
-        leaf = self.graph_shard
-        if leaf is None:
-            leaf = self.graph_shard = self._local.detach()
-            self._graph_shard_hooked = False
-        if leaf.requires_grad != requires_grad:
-            leaf.requires_grad_(requires_grad)
-        if requires_grad and not self._graph_shard_hooked:
+        local = self._local
+        if self.graph_shard is None and (local.is_floating_point() or local.is_complex()):
+            leaf = local.detach().requires_grad_(True)
             # Public since torch 2.1; torch's stubs leave it untyped.
             leaf.register_post_accumulate_grad_hook(self._take_graph_grad)  # type: ignore[no-untyped-call]
-            self._graph_shard_hooked = True
-        return leaf
+            self.graph_shard = leaf
 
     def _take_graph_grad(self, leaf: torch.Tensor) -> None:
         """A compiled backward's gradient of this rank's rows, moved onto the sharded
