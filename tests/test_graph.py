@@ -585,13 +585,15 @@ def _grads_beside_eager(p: nn.Parameter, q: nn.Parameter) -> tuple[bool, bool, f
 def _compiled_grads_against_eager() -> dict[str, Any]:
     """Backward after backward, the sharded gradients a compiled step leaves beside our eager
     engine's: accumulated over two backwards, a user's post-accumulate-grad hook, a
-    parameter frozen and unfrozen, the shards replaced by ``model.to(torch.float64)``."""
+    parameter frozen and unfrozen, the shards replaced by ``model.to(torch.float64)``, a
+    ``grad_dtype`` set before sharding."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False, blocks=1)
     model.scale.requires_grad_(False)  # frozen from the start, in the root's group
     eager = copy.deepcopy(model)
     for m in (model, eager):
+        m.blocks[0].up.bias.grad_dtype = torch.float64  # type: ignore[union-attr]  # kept sharded
         _shard(m, mesh_1d())
     from torch._dynamo.utils import counters
 
@@ -621,6 +623,7 @@ def _compiled_grads_against_eager() -> dict[str, Any]:
             optim.zero_grad()
 
     backward(0, "first")
+    seen["bias grad"] = str(model.blocks[0].up.bias.grad.dtype)  # type: ignore[union-attr]
     backward(1, "accumulated")  # no zero_grad: added into the sharded .grad
     seen["hooked"] = list(hooked)
     step_and_zero()  # in place on the DTensors: the graph's shards see it
@@ -648,13 +651,15 @@ def test_compiled_gradients_are_the_eager_engines_dtensors() -> None:
     once per backward after it is in place, a parameter frozen (no gradient) and unfrozen
     (recompiled once, then the first graph again), and the shards replaced by
     ``model.to(torch.float64)`` (recompiled: float64 gradients, the optimizer's steps seen by
-    the next compiled forward)."""
+    the next compiled forward). A bias whose ``grad_dtype`` was float64 before sharding has
+    float64 sharded gradients on both runtimes."""
     frames = {"first": 1, "accumulated": 1, "frozen": 2, "unfrozen": 2, "float64": 3}
     for r in run_distributed(_compiled_grads_against_eager, 2, timeout=300):
         assert r["hooked"] == ["DTensor", "DTensor"], r["hooked"]
+        assert r["bias grad"] == "torch.float64", r["bias grad"]
         assert max(r["diffs"]) < 1e-6, r["diffs"]
         for tag, grads in r.items():
-            if tag in ("hooked", "diffs") or tag.endswith("frames"):
+            if tag in ("hooked", "diffs", "bias grad") or tag.endswith("frames"):
                 continue
             assert tag.split(",")[0] in frames and r[tag + " frames"] == frames[tag.split(",")[0]]
             for name, (has, laid_out, diff) in grads.items():

@@ -160,6 +160,7 @@ class ShardedParam:
                 ).copy_(local)
             dt = self._dtensor_from_local(local)
         self.sharded_param = nn.Parameter(dt, requires_grad=param.requires_grad)
+        self._keep_grad_dtype()
         self._local: torch.Tensor = local
 
         self.unsharded_param: nn.Parameter | None = None
@@ -258,12 +259,20 @@ class ShardedParam:
                     self._dtensor_from_local(local), requires_grad=self.requires_grad
                 )
             self._local = local
+            self._keep_grad_dtype()  # a new parameter, or one _apply swapped, has none
             if self.graph_shard is not None:  # a compiled graph reads the new shard
                 self.graph_shard = None
                 self.ensure_graph_shard()
         self.compute_dtype = self.mp_policy.compute_dtype(self.orig_dtype)
         self._choose_unsharded_side(policy)
         self.register(self.sharded_param)
+
+    def _keep_grad_dtype(self) -> None:
+        """Give the sharded parameter the ``grad_dtype`` the parameter had before
+        ``fully_shard``: autograd refuses to set a ``.grad`` of another dtype than a tensor's
+        ``grad_dtype``, and :meth:`accumulate_sharded_grad` sets one in that dtype."""
+        if self.sharded_grad_dtype is not None:
+            set_grad_dtype(self.sharded_param, self.sharded_grad_dtype)
 
     def _choose_unsharded_side(self, policy: QuantizationPolicy) -> None:
         """Gather through the local shard's hooks if it has them (asked again at lazy init:
