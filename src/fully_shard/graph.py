@@ -15,7 +15,7 @@ sharded model captures the whole step, collectives included:
   one reduce-scatter (on gloo an all-to-all and a sum, :func:`_reduce`; for HSDP then the
   all-reduce over the replicas), with the divisions of
   :func:`~fully_shard.collectives.plan_reduction`; each rank's rows flow on to a plain leaf
-  over the shard (:meth:`~fully_shard.param.ShardedParam.graph_shard_for`), whose hook adds
+  over the shard (:meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), whose hook adds
   them into the sharded DTensor's ``.grad``, where the eager engine puts them too.
 - reshard after forward: the gather is recomputed in backward (a checkpointed region around
   it), so no gathered parameter is kept from forward to backward; without resharding the
