@@ -568,6 +568,109 @@ def test_one_rank_compiles_without_collectives() -> None:
     assert got["fw"] == [[]] and got["bw"] == [[]]
 
 
+def _grads_beside_eager(p: nn.Parameter, q: nn.Parameter) -> tuple[bool, bool, float]:
+    """(compiled has a gradient, it is a DTensor laid out as its parameter, max |diff| from
+    eager's local rows; 0 where neither has a gradient, inf where only one has)."""
+    g, want = p.grad, q.grad
+    if g is None or want is None:
+        return g is not None, False, 0.0 if g is None and want is None else float("inf")
+    laid_out = (
+        isinstance(g, DTensor)
+        and isinstance(p, DTensor)
+        and g.placements == p.placements
+        and g.device_mesh == p.device_mesh
+        and g.shape == p.shape
+        and g.dtype == want.dtype
+    )
+    return True, laid_out, (g.to_local() - want.to_local()).abs().max().item()  # type: ignore[union-attr]
+
+
+def _compiled_grads_against_eager() -> dict[str, Any]:
+    """Backward after backward, the sharded gradients a compiled step leaves beside our eager
+    engine's: accumulated over two backwards, a user's post-accumulate-grad hook, a
+    parameter frozen and unfrozen, the shards replaced by ``model.to(torch.float64)``, a
+    ``grad_dtype`` set before sharding."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False, blocks=1)
+    model.scale.requires_grad_(False)  # frozen from the start, in the root's group
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        m.blocks[0].up.bias.grad_dtype = torch.float64  # type: ignore[union-attr]  # kept sharded
+        _shard(m, mesh_1d())
+    from torch._dynamo.utils import counters
+
+    compiled = counters["stats"]["unique_graphs"]  # (the kept graphs of _Graphs would keep
+    # weak references to the parameters, which stop _apply's swap in model.to() below)
+    run = torch.compile(model, backend=BACKENDS[0], fullgraph=True)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    hooked: list[str] = []
+    model.blocks[0].up.weight.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+        lambda p: hooked.append(type(p.grad).__name__)
+    )
+    rank = torch.distributed.get_rank()
+    seen: dict[str, Any] = {}
+
+    def backward(step: int, tag: str) -> None:
+        tokens, targets = _batch(step, 4)
+        mine = slice(2 * rank, 2 * rank + 2)
+        for m in (run, eager):
+            loss_fn(m(tokens[mine]), targets[mine]).backward()
+        pairs = zip(model.named_parameters(), eager.parameters(), strict=True)
+        seen[tag] = {name: _grads_beside_eager(p, q) for (name, p), q in pairs}
+        seen[tag + " frames"] = counters["stats"]["unique_graphs"] - compiled
+
+    def step_and_zero() -> None:
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+
+    backward(0, "first")
+    seen["bias grad"] = str(model.blocks[0].up.bias.grad.dtype)  # type: ignore[union-attr]
+    backward(1, "accumulated")  # no zero_grad: added into the sharded .grad
+    seen["hooked"] = list(hooked)
+    step_and_zero()  # in place on the DTensors: the graph's shards see it
+    for m in (model, eager):
+        m.blocks[0].down.weight.requires_grad_(False)  # type: ignore[union-attr, operator]
+    backward(2, "frozen")
+    step_and_zero()
+    for m in (model, eager):
+        m.blocks[0].down.weight.requires_grad_(True)  # type: ignore[union-attr, operator]
+    backward(3, "unfrozen")
+    step_and_zero()
+    for m in (model, eager):
+        m.to(torch.float64)  # the DTensors swapped for float64 ones: recompiled
+    backward(4, "float64")
+    step_and_zero()
+    backward(5, "float64, stepped")
+    seen["diffs"] = param_diffs(model, eager)
+    return seen
+
+
+def test_compiled_gradients_are_the_eager_engines_dtensors() -> None:
+    """After each compiled backward every sharded gradient is a DTensor with its parameter's
+    mesh, placements and shape, within 1e-6 of our eager engine's local rows, on the same
+    parameters: accumulated into an existing ``.grad``, a user's post-accumulate-grad hook run
+    once per backward after it is in place, a parameter frozen (no gradient) and unfrozen
+    (recompiled once, then the first graph again), and the shards replaced by
+    ``model.to(torch.float64)`` (recompiled: float64 gradients, the optimizer's steps seen by
+    the next compiled forward). A bias whose ``grad_dtype`` was float64 before sharding has
+    float64 sharded gradients on both runtimes."""
+    frames = {"first": 1, "accumulated": 1, "frozen": 2, "unfrozen": 2, "float64": 3}
+    for r in run_distributed(_compiled_grads_against_eager, 2, timeout=300):
+        assert r["hooked"] == ["DTensor", "DTensor"], r["hooked"]
+        assert r["bias grad"] == "torch.float64", r["bias grad"]
+        assert max(r["diffs"]) < 1e-6, r["diffs"]
+        for tag, grads in r.items():
+            if tag in ("hooked", "diffs", "bias grad") or tag.endswith("frames"):
+                continue
+            assert tag.split(",")[0] in frames and r[tag + " frames"] == frames[tag.split(",")[0]]
+            for name, (has, laid_out, diff) in grads.items():
+                frozen = name == "scale" or (tag == "frozen" and name == "blocks.0.down.weight")
+                assert has != frozen and (frozen or laid_out), (tag, name, has, laid_out)
+                assert diff < 1e-6, (tag, name, diff)
+
+
 # The recipes of docs/recipes/compile.md ("Inductor's collective passes"): inductor's passes,
 # given as torch.compile options. They run only where inductor generates code, so these cases
 # run where FULLY_SHARD_COMPILE_BACKENDS names inductor (nox -s soak).

@@ -14,8 +14,9 @@ sharded model captures the whole step, collectives included:
 - its backward is the reduction: the full gradients packed rank by rank in the reduce dtype,
   one reduce-scatter (on gloo an all-to-all and a sum, :func:`_reduce`; for HSDP then the
   all-reduce over the replicas), with the divisions of
-  :func:`~fully_shard.collectives.plan_reduction`; each rank's rows flow on to the sharded
-  DTensor's ``.grad`` through ``to_local()``, where the eager engine puts them too.
+  :func:`~fully_shard.collectives.plan_reduction`; each rank's rows flow on to a plain leaf
+  over the shard (:meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), whose hook adds
+  them into the sharded DTensor's ``.grad``, where the eager engine puts them too.
 - reshard after forward: the gather is recomputed in backward (a checkpointed region around
   it), so no gathered parameter is kept from forward to backward; without resharding the
   gathered tensors are saved like any activation.
@@ -467,9 +468,27 @@ def _ensure_accumulator(group: ParamGroup, plan: GroupDescription) -> None:
         )
 
 
+@assume_constant_result
+def _graph_shards_made(group: ParamGroup) -> bool:
+    for p in group.params:
+        p.ensure_graph_shard()
+    return True
+
+
+def _shards(group: ParamGroup) -> list[torch.Tensor]:
+    """The group's shards as the traced code reads them: plain tensors over the sharded
+    DTensors' local tensors, so that the graph's inputs and gradients are plain tensors."""
+    _graph_shards_made(group)
+    return [_local(p) for p in group.params]
+
+
 def _local(p: Any) -> torch.Tensor:
-    sharded = p.sharded_param
-    return sharded.to_local() if isinstance(sharded, DTensor) else sharded
+    """A trainable parameter's graph shard (a leaf whose gradient goes on to the sharded
+    DTensor, :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), a frozen one's local
+    shard. Dynamo guards on ``requires_grad``: ``requires_grad_()`` later recompiles once per
+    value."""
+    trainable: bool = p.sharded_param.requires_grad
+    return p.graph_shard if trainable else p.local_shard  # type: ignore[no-any-return]
 
 
 def _plan_of(group: ParamGroup) -> GroupDescription:
@@ -520,8 +539,7 @@ def _extra_of(group: ParamGroup, plan: GroupDescription) -> torch.Tensor | None:
 
 def _gather(group: ParamGroup, reshard: bool) -> tuple[torch.Tensor, ...]:
     plan = _plan_of(group)
-    shards = tuple(_local(p) for p in group.params)
-    return _gather_shards(plan, _extra_of(group, plan), shards, reshard)
+    return _gather_shards(plan, _extra_of(group, plan), tuple(_shards(group)), reshard)
 
 
 def _gather_shards(
@@ -815,7 +833,7 @@ def _region_call(
     for group in state.groups:
         if group.params:
             extras.append(_extra_of(group, _plan_of(group)))
-            shards.extend(map(_local, group.params))
+            shards.extend(_shards(group))
     reshard = state.reshard_after_forward
     names = tuple(kwargs)
     # int(): a plain constant (what dynamo keeps for the constant function's result has a
@@ -1049,7 +1067,7 @@ def _bucket_gathered(
     groups = [states[i].groups[k] for i, k in members]
     plans = tuple(_plan_of(g) for g in groups)
     extras = [_extra_of(g, p) for g, p in zip(groups, plans, strict=True)]
-    shards = [_local(p) for g in groups for p in g.params]
+    shards = [t for g in groups for t in _shards(g)]
     gather = functools.partial(_GatherBucket.apply, plans, len(groups))
     if reshard and state.groups[j].config.unshard_in_backward:  # as _gather_shards
         out = checkpoint(gather, *extras, *shards, use_reentrant=False, preserve_rng_state=False)
