@@ -508,13 +508,7 @@ class ShardedParam:
         if param is not None:
             param.grad = None
         if isinstance(grad, DTensor):
-            # A TP gradient can be Partial (e.g. a SequenceParallel norm's weight): sum it over
-            # the TP ranks first, so that what we reduce-scatter is this rank's TP-local grad.
-            if self.tp is not None:
-                target = self.tp.grad_placements(tuple(grad.placements))
-                if tuple(grad.placements) != target:
-                    grad = grad.redistribute(placements=target)
-            grad = grad.to_local()
+            grad = grad.to_local() if self.tp is None else self.tp.local_grad(grad)
         kept = self.unsharded_accumulated_grad
         self.unsharded_accumulated_grad = None
         if kept is None:

@@ -289,13 +289,7 @@ class PersistentParam:
         if param is not None:
             param.grad = None
         if isinstance(grad, DTensor):
-            # A TP gradient can be Partial (a SequenceParallel norm's weight): summed over the
-            # TP ranks first, so that what is all-reduced is this rank's TP-local gradient.
-            if self.tp is not None:
-                target = self.tp.grad_placements(tuple(grad.placements))
-                if tuple(grad.placements) != target:
-                    grad = grad.redistribute(placements=target)
-            grad = grad.to_local()
+            grad = grad.to_local() if self.tp is None else self.tp.local_grad(grad)
         if grad is not None:
             grad = grad.detach()
             if self.pending_grad is None:

@@ -100,6 +100,15 @@ class TPLayout:
             current[i] if i in self.dp_dims else own for i, own in enumerate(self.placements)
         )
 
+    def local_grad(self, grad: DTensor) -> torch.Tensor:
+        """This rank's TP-local tensor of an unsharded gradient: a ``Partial`` one (e.g. a
+        sequence-parallel norm's weight) is summed over the TP ranks first, so that what the
+        data-parallel reduction sums is each rank's own."""
+        target = self.grad_placements(tuple(grad.placements))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
+        return grad.to_local()
+
 
 def _check_placements(placements: tuple[Placement, ...], fqn: str, where: str) -> None:
     for placement in placements:
