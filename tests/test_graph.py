@@ -551,6 +551,38 @@ def test_kept_whole_parameters_in_the_graph_train_like_eager_and_the_replica() -
                 assert bws == [sorted([("all_gather", bf16), *reduce], key=str)], bws
 
 
+def _train_kept_whole_hsdp() -> dict[str, Any]:
+    """HSDP (2 x 2), fp32, kept-whole parameters, beside the unsharded replica."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False, blocks=1)
+    reference = copy.deepcopy(model)
+    mesh = device_mesh((2, 2), ("replicate", "shard"))
+    _shard(model, mesh, reshard_after_forward=False, param_persistence_threshold=_KEPT)
+    graphs = _Graphs("aot_eager")
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optim, ref_optim = _trainable(model), _trainable(reference)
+    rank = torch.distributed.get_rank()
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 8)
+        _step(run, optim, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        _step(reference, ref_optim, tokens, targets)
+    return {"diffs": param_diffs(model, reference), "bw": [_collectives(g) for g in graphs.bw]}
+
+
+def test_kept_whole_parameters_in_the_graph_on_hsdp() -> None:
+    """2 x 2 HSDP: the kept-whole gradients summed over the shard group, then the replicas
+    (two all-reduces per group, as the eager engine issues them); exact against the replica."""
+    f32 = torch.float32
+    for r in run_distributed(_train_kept_whole_hsdp, 4, timeout=300):
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        (bw,) = r["bw"]
+        # per group (the block, the root): two for the kept-whole, the sharded reduce-scatter
+        # and its all-reduce over the replicas
+        want = [("all_reduce", f32)] * 6 + [("all_to_all", f32)] * 2
+        assert sorted(bw, key=str) == sorted(want, key=str), bw
+
+
 def _replicate_on(model: nn.Module, mesh: Any) -> None:
     """Make every parameter of ``model`` a ``Replicate()`` DTensor on ``mesh``, keeping ties."""
     made: dict[int, nn.Parameter] = {}
