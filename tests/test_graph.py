@@ -127,7 +127,9 @@ class _TPNet(nn.Module):
         return self.head(self.norm(h))  # type: ignore[no-any-return]
 
 
-def _tp_then_shard(model: _TPNet, root: Any, dp_dims: tuple[str, ...] = ("dp",)) -> None:
+def _tp_then_shard(
+    model: _TPNet, root: Any, dp_dims: tuple[str, ...] = ("dp",), **options: Any
+) -> None:
     tp, dp = root["tp"], root[dp_dims]
     parallelize_module(
         model,
@@ -151,8 +153,8 @@ def _tp_then_shard(model: _TPNet, root: Any, dp_dims: tuple[str, ...] = ("dp",))
                 "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
             },
         )
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
+        fully_shard(block, mesh=dp, **options)
+    fully_shard(model, mesh=dp, **options)
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,6 +582,50 @@ def test_kept_whole_parameters_in_the_graph_on_hsdp() -> None:
         # per group (the block, the root): two for the kept-whole, the sharded reduce-scatter
         # and its all-reduce over the replicas
         want = [("all_reduce", f32)] * 6 + [("all_to_all", f32)] * 2
+        assert sorted(bw, key=str) == sorted(want, key=str), bw
+
+
+def _train_kept_whole_tp() -> dict[str, Any]:
+    """(dp=2) x (tp=2), fp32: the sequence-parallel norms' weights (8 elements) kept whole,
+    shown as DTensors on the TP mesh; beside our eager engine and the unsharded replica."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TPNet()
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    root = device_mesh((4,), ("world",))._unflatten(0, (2, 2), ("dp", "tp"))
+    for m in (model, eager):
+        _tp_then_shard(m, root, param_persistence_threshold=_KEPT)
+    graphs = _Graphs("aot_eager")
+    run = torch.compile(model, backend=graphs, fullgraph=True)
+    optim, eager_optim, ref_optim = _trainable(model), _trainable(eager), _trainable(reference)
+    dp_rank = root["dp"].get_local_rank()
+    for step in range(STEPS):
+        tokens, targets = _batch(step, 4)
+        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+        _step(run, optim, tokens[mine], targets[mine])
+        _step(eager, eager_optim, tokens[mine], targets[mine])
+        _step(reference, ref_optim, tokens, targets)
+    state = model._fsdp_state  # type: ignore[attr-defined]
+    return {
+        "kept": [p.fqn for g in state.groups for p in g.persistent],
+        "diffs": param_diffs(model, reference),
+        "eager_diffs": param_diffs(model, eager),
+        "bw": [_collectives(g, root["dp"].get_group().group_name) for g in graphs.bw],
+    }
+
+
+def test_kept_whole_tensor_parallel_norms_in_the_graph() -> None:
+    """The TP norms' weights kept whole (their TP placements kept, Replicate on dp): their
+    Partial gradients summed over TP as eager sums them, then all-reduced over dp; exact."""
+    f32 = torch.float32
+    for r in run_distributed(_train_kept_whole_tp, 4, timeout=300):
+        assert r["kept"] == ["norm.weight"], r["kept"]
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
+        (bw,) = r["bw"]
+        # over dp, per group (the block, the root): the kept-whole all-reduce, the sharded
+        # reduce-scatter; the block reshards after forward and gathers again
+        want = [("all_gather", f32)] + [("all_reduce", f32), ("all_to_all", f32)] * 2
         assert sorted(bw, key=str) == sorted(want, key=str), bw
 
 
