@@ -21,6 +21,10 @@ sharded model captures the whole step, collectives included:
   it), so no gathered parameter is kept from forward to backward; without resharding the
   gathered tensors are saved like any activation.
 
+A parameter kept whole (``param_persistence_threshold``) is never gathered: the module is
+shown its local tensor, and the backward all-reduces the group's kept-whole gradients
+(:class:`_KeptWholeCast`).
+
 A tensor-parallel parameter is gathered as its TP-local tensor (its layout is that tensor's,
 as in the eager engine) and shown as a DTensor on its TP mesh (:func:`_on_tp_mesh`).
 
@@ -786,7 +790,7 @@ def graph_post_forward(state: FSDPState, module: nn.Module, output: Any) -> Any:
 # block's structure (:func:`fully_shard.regions.block_structure`), its groups' gather plans
 # and the inputs' metadata. Anything the key cannot vouch for (an input that is not a tensor
 # or a plain value, a tensor subclass or a symbolic size, hooks besides ours, a sharded module
-# inside the block, tensor-parallel parameters) keeps the block inline, as before.
+# inside the block, tensor-parallel or kept-whole parameters) keeps the block inline.
 
 
 def _region_reuse_key(key: int, *rest: Any) -> int:

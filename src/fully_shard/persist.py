@@ -29,7 +29,9 @@ ready group of the model, per process groups, dtype and divisor, into one buffer
 all-reduce (two on HSDP: the shard dim, then the replicas) per step for all of them. The
 result, divided as the group's reduction divides (the data-parallel size, or
 ``gradient_divide_factor``), becomes ``sharded_param.grad``, a ``Replicate`` DTensor, so
-``clip_grad_norm_`` counts it once.
+``clip_grad_norm_`` counts it once. The graph path (:mod:`fully_shard.graph`) does the same in
+the backward graph instead, one all-reduce per group, into the same ``.grad``
+(:meth:`PersistentParam.ensure_graph_local`).
 
 Example:
     >>> fully_shard(model, param_persistence_threshold=4096)  # doctest: +SKIP
