@@ -698,16 +698,18 @@ def test_untraceable_options_fail_at_compile_time_naming_the_option(case: str, n
 
 
 def _train_blocks_compiled_after_sharding(backend: str) -> dict[str, Any]:
-    """``torch.compile(block, fullgraph=True)`` after ``fully_shard``, the root eager."""
+    """``torch.compile(block, fullgraph=True)`` after ``fully_shard``, the root eager; the
+    biases and the root's scale kept whole (the blocks' all-reduced in their graphs, the
+    root's by the eager engine)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False)
     reference = copy.deepcopy(model)
     graphs = _Graphs(backend)
     for i, block in enumerate(list(model.blocks)):
-        fully_shard(block, mesh=mesh_1d())
+        fully_shard(block, mesh=mesh_1d(), param_persistence_threshold=_KEPT)
         model.blocks[i] = torch.compile(block, backend=graphs, fullgraph=True)
-    fully_shard(model, mesh=mesh_1d())
+    fully_shard(model, mesh=mesh_1d(), param_persistence_threshold=_KEPT)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     rank, frames = torch.distributed.get_rank(), []
@@ -720,11 +722,13 @@ def _train_blocks_compiled_after_sharding(backend: str) -> dict[str, Any]:
         "diffs": param_diffs(model, reference),
         "frames": frames,
         "fw": [_collectives(g) for g in graphs.fw],
+        "bw": [_collectives(g) for g in graphs.bw],
     }
 
 
 def test_block_compiled_after_sharding_carries_its_own_collectives() -> None:
-    """Each block's graph holds its gather (the root's hooks stay eager); exact."""
+    """Each block's graph holds its gather and its reductions, the kept-whole bias's
+    all-reduce among them (the root's hooks stay eager); exact."""
     got = run_distributed(
         functools.partial(_train_blocks_compiled_after_sharding, BACKENDS[0]), 2, timeout=300
     )
@@ -733,6 +737,9 @@ def test_block_compiled_after_sharding_carries_its_own_collectives() -> None:
         assert r["frames"] == [2] * STEPS  # one graph per block (their groups differ)
         if BACKENDS[0] != "inductor":
             assert r["fw"] == [[("all_gather", torch.float32)]] * 2
+            f32 = torch.float32
+            want = sorted([("all_gather", f32), ("all_reduce", f32), ("all_to_all", f32)])
+            assert [sorted(bw) for bw in r["bw"]] == [want] * 2, r["bw"]
 
 
 def test_one_rank_compiles_without_collectives() -> None:
