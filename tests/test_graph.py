@@ -460,7 +460,7 @@ _KEPT = 9
 _KEPT_CASES = ("accumulate", "keep+buckets", "bf16")
 
 
-def _train_kept_whole() -> dict[str, Any]:
+def _train_kept_whole(backend: str) -> dict[str, Any]:
     """Each case of ``_KEPT_CASES`` (W=2, one block, one spawn for all): compiled with kept-whole
     parameters beside our eager engine with the same threshold and, in fp32, an unsharded
     replica on the global batch."""
@@ -471,6 +471,8 @@ def _train_kept_whole() -> dict[str, Any]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = _Net(checkpointed=case == "accumulate", blocks=1)
+        if case == "keep+buckets":
+            model.scale.requires_grad_(False)  # a frozen kept-whole parameter: not reduced
         reference, eager = copy.deepcopy(model), copy.deepcopy(model)
         options: dict[str, Any] = {"param_persistence_threshold": _KEPT}
         options["reshard_after_forward"] = case != "keep+buckets"
@@ -480,7 +482,7 @@ def _train_kept_whole() -> dict[str, Any]:
             _shard(m, mesh_1d(), **options)
             if case == "keep+buckets":
                 m.set_bucket_cap_mb(25)  # type: ignore[operator]
-        graphs = _Graphs("aot_eager")
+        graphs = _Graphs(backend)
         run = torch.compile(model, backend=graphs, fullgraph=True)
         optim, eager_optim, ref_optim = _trainable(model), _trainable(eager), _trainable(reference)
         for step in range(STEPS):
@@ -516,14 +518,15 @@ def _train_kept_whole() -> dict[str, Any]:
     return out
 
 
-def test_kept_whole_parameters_in_the_graph_train_like_eager_and_the_replica() -> None:
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+def test_kept_whole_parameters_in_the_graph_train_like_eager_and_the_replica(backend: str) -> None:
     """``param_persistence_threshold`` on the graph path: the block's bias and the root's
     scale kept whole, shown to the module as local tensors, their gradients all-reduced in the
     backward graph, one all-reduce per group, into ``Replicate`` gradients. Exact (1e-5)
     against our eager engine with the same threshold and against the unsharded replica, with
     reshard after forward and gradient accumulation, and without resharding under a bucket
-    cap; bf16 against eager."""
-    got = run_distributed(_train_kept_whole, 2, timeout=300)
+    cap (the root's scale frozen there); bf16 against eager."""
+    got = run_distributed(functools.partial(_train_kept_whole, backend), 2, timeout=300)
     f32, bf16 = torch.float32, torch.bfloat16
     reduce = [("all_reduce", f32)] * 2 + [("all_to_all", f32)] * 2  # per group: kept, sharded
     for r in got:
@@ -533,23 +536,25 @@ def test_kept_whole_parameters_in_the_graph_train_like_eager_and_the_replica() -
             if case == "bf16":
                 # The tied embedding, sharded, sums its two uses in bf16 in the graph and in
                 # fp32 in eager (see test_mixed_precision_gathers_bf16_and_reduces_fp32):
-                # measured 4.5e-5 after 3 steps under aot_eager.
-                assert max(c["eager_diffs"]) < 1e-4, (case, c["eager_diffs"])
+                # measured 4.5e-5 after 3 steps under aot_eager; inductor fuses the bf16 casts
+                # into its kernels, which rounds differently (4.2e-4).
+                bound = 1e-4 if backend == "aot_eager" else 2e-3
+                assert max(c["eager_diffs"]) < bound, (case, c["eager_diffs"])
             else:
                 assert max(c["eager_diffs"]) < 1e-5, (case, c["eager_diffs"])
                 assert max(c["diffs"]) < 1e-5, (case, c["diffs"])
+            assert c["frames"] == (2 if case == "accumulate" else 1), (case, c["frames"])
+            if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
+                continue
             bws = [sorted(bw, key=str) for bw in c["bw"]]
             if case == "accumulate":  # a graph per flag; the unsynced backward only gathers
-                assert c["frames"] == 2
                 assert bws == [
                     [("all_gather", f32)],
                     sorted([("all_gather", f32), *reduce], key=str),
                 ]
-            elif case == "keep+buckets":  # the block and the root: one reduce-scatter
-                assert c["frames"] == 1
-                assert bws == [sorted([*reduce[:3]], key=str)], bws
+            elif case == "keep+buckets":  # one reduce-scatter; the frozen scale not reduced
+                assert bws == [sorted([("all_reduce", f32), ("all_to_all", f32)], key=str)], bws
             else:
-                assert c["frames"] == 1
                 assert bws == [sorted([("all_gather", bf16), *reduce], key=str)], bws
 
 
