@@ -568,7 +568,7 @@ def _gather_shards(
 @dataclass(frozen=True)
 class _KeptPlan:
     """What the traced code needs of a group's kept-whole parameters, read when dynamo traces
-    (process groups by name: a constant's ``ProcessGroup`` is not read inside the graph)."""
+    (process groups by name, as the functional collectives take them)."""
 
     names: tuple[str, ...]  # the process groups summed over, in order, those of one rank left out
     pre_divide: float | None
