@@ -210,7 +210,8 @@ def fully_shard(
             ``root["tp"]``) kept whole keeps its TP placements and is ``Replicate()`` on the
             dp dims; DTensors on the whole SPMD mesh (``dp_mesh_dims``) and tensor
             subclasses with their own all-gather are sharded as usual; the graph path
-            (``torch.compile`` of the whole model) refuses kept-whole parameters. ``None``
+            (``torch.compile`` of the whole model) all-reduces their gradients in its
+            backward graph, one all-reduce per group. ``None``
             (the default) or 0 keeps nothing whole. See
             docs/recipes/fewer-collectives.md.
 

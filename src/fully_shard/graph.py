@@ -21,6 +21,10 @@ sharded model captures the whole step, collectives included:
   it), so no gathered parameter is kept from forward to backward; without resharding the
   gathered tensors are saved like any activation.
 
+A parameter kept whole (``param_persistence_threshold``) is never gathered: the module is
+shown its local tensor, and the backward all-reduces the group's kept-whole gradients
+(:class:`_KeptWholeCast`).
+
 A tensor-parallel parameter is gathered as its TP-local tensor (its layout is that tensor's,
 as in the eager engine) and shown as a DTensor on its TP mesh (:func:`_on_tp_mesh`).
 
@@ -340,15 +344,6 @@ def check_traceable(group: ParamGroup) -> None:
             "a tool watches its collectives (fully_shard.debug's checker, a trace recorder)",
             "Turn the tool off for the compiled run, or " + _PER_BLOCK[0].lower() + _PER_BLOCK[1:],
         )
-    if group.persistent:
-        _refuse(
-            group,
-            f"{group.persistent[0].fqn!r} is kept whole on every rank "
-            "(param_persistence_threshold), which the traced gather does not show the module",
-            "Compile each block instead with block.compile() (the hooks, which show the module "
-            "those parameters, then run outside the compiled code; torch.compile(block) after "
-            "fully_shard takes this path too), or pass param_persistence_threshold=None",
-        )
     quant = config.quantization_policy
     for p in group.params:
         if p.gather_format(quant) is not PLAIN:
@@ -560,6 +555,169 @@ def _gather_shards(
     return checkpoint(gather, extra, *shards, use_reentrant=False, preserve_rng_state=False)  # type: ignore[no-any-return]
 
 
+# -- parameters kept whole (param_persistence_threshold) ------------------------------------------
+#
+# Never gathered: the module is shown each one's local tensor, cast to its compute dtype, and
+# the backward of that cast all-reduces the group's kept-whole gradients in one flat buffer,
+# with the divisions of the eager engine's end-of-backward all-reduce (KeptWhole). The eager
+# engine merges the buffers of every group into one per step; the graph keeps one per group,
+# the sums being the same element by element. A block holding such parameters is traced
+# inline, never as a region (the region's body gathers sharded parameters only).
+
+
+@dataclass(frozen=True)
+class _KeptPlan:
+    """What the traced code needs of a group's kept-whole parameters, read when dynamo traces
+    (process groups by name, as the functional collectives take them)."""
+
+    names: tuple[str, ...]  # the process groups summed over, in order, those of one rank left out
+    pre_divide: float | None
+    post_divide: float | None
+    reduce_dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]  # each parameter's local shape (TP-local for TP)
+    compute_dtypes: tuple[torch.dtype, ...]
+    orig_dtypes: tuple[torch.dtype, ...]
+    sync: bool
+    reduce_unused: bool
+    device: torch.device
+
+
+@assume_constant_result
+def _kept_plan_for(group: ParamGroup, *guarded: Any) -> _KeptPlan:
+    """The group's :class:`_KeptPlan` (``guarded``: as :func:`_plan_for`'s); makes the
+    parameters' graph leaves and, with gradient sync off, the accumulator."""
+    check_traceable(group)
+    desc = group.description
+    kept = desc.kept_whole
+    if kept is None:
+        raise FullyShardStateError("kept-whole parameters without a plan (internal error)")
+    persistent = group.persistent
+    for pp in persistent:
+        pp.ensure_graph_local()
+    plan = _KeptPlan(
+        names=tuple(pg.group_name for pg in kept.groups if pg.size() > 1),
+        pre_divide=kept.pre_divide,
+        post_divide=kept.post_divide,
+        reduce_dtype=desc.reduce_dtype,
+        shapes=tuple(tuple(pp.local.shape) for pp in persistent),
+        compute_dtypes=tuple(pp.mp_policy.compute_dtype(pp.orig_dtype) for pp in persistent),
+        orig_dtypes=tuple(pp.orig_dtype for pp in persistent),
+        sync=desc.sync,
+        reduce_unused=desc.reduce_unused,
+        device=desc.device,
+    )
+    if not plan.sync:
+        numel = sum(pp.local.numel() for pp in persistent if pp.requires_grad)
+        acc = group.graph_kept_grads
+        if acc is None or acc.numel() != numel or acc.dtype != plan.reduce_dtype:
+            if acc is not None and acc.grad is not None:
+                raise FullyShardStateError(
+                    f"group {group.label!r}: the trainable kept-whole parameters changed while "
+                    "compiled backward passes with gradient sync off had kept gradients; run a "
+                    "backward with sync on first"
+                )
+            group.graph_kept_grads = torch.zeros(
+                numel, dtype=plan.reduce_dtype, device=group.info.device, requires_grad=True
+            )
+    return plan
+
+
+def _show_kept(group: ParamGroup) -> tuple[torch.Tensor, ...]:
+    """The group's kept-whole parameters as the module computes with them (plain tensors)."""
+    plan: _KeptPlan = _kept_plan_for(
+        group,
+        *_guarded_fields(group.config),
+        group.comm,
+        len(group.observers),
+        len(JOB_WIDE.observers),
+    )
+    acc = group.graph_kept_grads
+    extra = acc if not plan.sync else None
+    if plan.sync and acc is not None and acc.grad is not None:
+        extra = acc.grad  # the unsynced passes' sums join this all-reduce
+        acc.grad = None
+    locals_ = [
+        pp.graph_local if pp.sharded_param.requires_grad else pp.local for pp in group.persistent
+    ]
+    return _KeptWholeCast.apply(plan, extra, *locals_)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _pack_kept(
+    plan: _KeptPlan, grads: tuple[torch.Tensor | None, ...], members: list[int]
+) -> torch.Tensor:
+    """The gradients of ``members`` flat, side by side, in the reduce dtype (zeros for one
+    without a gradient), as ``all_reduce_kept_whole`` packs them."""
+    parts = []
+    for i in members:
+        g = grads[i]
+        if g is None:
+            n = 1
+            for d in plan.shapes[i]:
+                n *= d
+            parts.append(torch.zeros(n, dtype=plan.reduce_dtype, device=plan.device))
+        else:
+            parts.append(g.to(plan.reduce_dtype).reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class _KeptWholeCast(torch.autograd.Function):
+    """Local tensors in, their compute-dtype copies out; backward: one all-reduce of their
+    gradients over the data-parallel ranks, divided as the eager engine divides them, cast back
+    to each parameter's dtype.
+
+    ``extra``: as :class:`_GatherGroup`'s (the accumulator with sync off, what it kept with
+    sync on, or ``None``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, plan: _KeptPlan, extra: torch.Tensor | None, *locals_: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.plan = plan
+        ctx.kept = extra is not None and plan.sync
+        if ctx.kept:
+            ctx.save_for_backward(extra)
+        # A copy even in the same dtype: the output is the module's, never the optimizer's
+        # tensor under another name (a handful of elements each).
+        return tuple(
+            t.to(dtype, copy=True) for t, dtype in zip(locals_, plan.compute_dtypes, strict=True)
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: _KeptPlan = ctx.plan
+        none: list[torch.Tensor | None] = [None] * len(grads)
+        trainable = [i for i in range(len(grads)) if ctx.needs_input_grad[i + 2]]
+        if not plan.sync:  # kept unreduced, in the accumulator's gradient
+            return (None, _pack_kept(plan, grads, trainable), *none)
+        if ctx.kept or plan.reduce_unused:
+            members = trainable
+        else:
+            members = [i for i in trainable if grads[i] is not None]
+        if not members:
+            return (None, None, *none)
+        flat = _pack_kept(plan, grads, members)
+        if ctx.kept:
+            (kept,) = ctx.saved_tensors
+            flat = flat + kept
+        if plan.pre_divide is not None and plan.pre_divide != 1:
+            flat = flat / plan.pre_divide
+        for name in plan.names:
+            flat = funcol_all_reduce(flat, "sum", name)
+        if plan.post_divide is not None and plan.post_divide != 1:
+            flat = flat / plan.post_divide
+        out = list(none)
+        start = 0
+        for i in members:
+            shape = plan.shapes[i]
+            n = 1
+            for d in shape:
+                n *= d
+            out[i] = flat[start : start + n].view(shape).to(plan.orig_dtypes[i])
+            start += n
+        return (None, None, *out)
+
+
 def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     """A tensor-parallel parameter's gathered TP-local tensor as the DTensor its TP modules
     compute with, as the eager engine shows it (:class:`~fully_shard.storage.DenseStorage`).
@@ -576,16 +734,21 @@ def _on_tp_mesh(full: torch.Tensor, tp: TPLayout) -> torch.Tensor:
 
 def _show(run: GraphRun, state: FSDPState, reshard: bool) -> None:
     for j, group in enumerate(state.groups):
-        if not (group.params or group.persistent):  # kept-whole ones: refused by _plan_for
-            continue
-        fulls = _bucket_gathered(run, state, j, reshard)
-        if fulls is None:
-            fulls = _gather(group, reshard)
-        for p, full in zip(group.params, fulls, strict=True):
-            shown = full if p.tp is None else _on_tp_mesh(full, p.tp)
-            for module, name in p.slots:
-                module.__dict__[name] = shown
-                run.shown.append((module, name))
+        if group.params:
+            fulls = _bucket_gathered(run, state, j, reshard)
+            if fulls is None:
+                fulls = _gather(group, reshard)
+            for p, full in zip(group.params, fulls, strict=True):
+                shown = full if p.tp is None else _on_tp_mesh(full, p.tp)
+                for module, name in p.slots:
+                    module.__dict__[name] = shown
+                    run.shown.append((module, name))
+        if group.persistent:
+            for pp, whole in zip(group.persistent, _show_kept(group), strict=True):
+                shown = whole if pp.tp is None else _on_tp_mesh(whole, pp.tp)
+                for module, name in pp.slots:
+                    module.__dict__[name] = shown
+                    run.shown.append((module, name))
     run.gathered.add(id(state))
 
 
@@ -627,7 +790,7 @@ def graph_post_forward(state: FSDPState, module: nn.Module, output: Any) -> Any:
 # block's structure (:func:`fully_shard.regions.block_structure`), its groups' gather plans
 # and the inputs' metadata. Anything the key cannot vouch for (an input that is not a tensor
 # or a plain value, a tensor subclass or a symbolic size, hooks besides ours, a sharded module
-# inside the block, tensor-parallel parameters) keeps the block inline, as before.
+# inside the block, tensor-parallel or kept-whole parameters) keeps the block inline.
 
 
 def _region_reuse_key(key: int, *rest: Any) -> int:
@@ -744,6 +907,7 @@ def _in_regions(
         and len(state.modules) == 1
         and not state.is_root
         and any(g.params for g in state.groups)
+        and not any(g.persistent for g in state.groups)
         and all(p.tp is None for g in state.groups for p in g.params)
         and not any("_fsdp_state" in vars(m) for m in module.modules() if m is not module)
     )

@@ -329,6 +329,8 @@ class ParamGroup:
         # The graph path's gradient accumulator (fully_shard.graph): a leaf whose .grad sums
         # the packed unreduced gradients of compiled backward passes with gradient sync off.
         self.graph_grads: torch.Tensor | None = None
+        # Its twin for the kept-whole parameters' gradients (flat, unpadded, in group order).
+        self.graph_kept_grads: torch.Tensor | None = None
         self._initialized = False
         # Whether a parameter may hold a post-forward piece (reshard_after_forward=n): set
         # when one is cut, cleared when they are dropped, so that the usual reshard and

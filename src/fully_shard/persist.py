@@ -29,7 +29,9 @@ ready group of the model, per process groups, dtype and divisor, into one buffer
 all-reduce (two on HSDP: the shard dim, then the replicas) per step for all of them. The
 result, divided as the group's reduction divides (the data-parallel size, or
 ``gradient_divide_factor``), becomes ``sharded_param.grad``, a ``Replicate`` DTensor, so
-``clip_grad_norm_`` counts it once.
+``clip_grad_norm_`` counts it once. The graph path (:mod:`fully_shard.graph`) does the same in
+the backward graph instead, one all-reduce per group, into the same ``.grad``
+(:meth:`PersistentParam.ensure_graph_local`).
 
 Example:
     >>> fully_shard(model, param_persistence_threshold=4096)  # doctest: +SKIP
@@ -162,6 +164,8 @@ class PersistentParam:
         self._copied: tuple[int, int] = (0, -1)
         # This rank's unreduced gradient sum, in the reduce dtype, until an all-reduce takes it.
         self.pending_grad: torch.Tensor | None = None
+        # The graph path's leaf over local (ensure_graph_local), made at its first trace.
+        self.graph_local: torch.Tensor | None = None
 
     def _dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` as the registered DTensor (or its gradient): Replicate on the dp dims."""
@@ -211,7 +215,31 @@ class PersistentParam:
                 current = nn.Parameter(current, requires_grad=self.requires_grad)
             self.sharded_param = current
         self._local = self._own_local()
+        if self.graph_local is not None:  # a compiled graph reads the new tensor
+            self.graph_local = None
+            self.ensure_graph_local()
         self.register(self.sharded_param)
+
+    def ensure_graph_local(self) -> None:
+        """Make :attr:`graph_local` if it is missing: what the traced code
+        (:mod:`fully_shard.graph`) reads while the parameter requires a gradient, a leaf over
+        the local tensor's storage and version counter whose gradient (already all-reduced in
+        the graph) its hook adds into ``sharded_param.grad``; a plain leaf for the reasons
+        :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard` gives."""
+        local = self._local
+        if self.graph_local is None and (local.is_floating_point() or local.is_complex()):
+            leaf = local.detach().requires_grad_(True)
+            # Public since torch 2.1; torch's stubs leave it untyped.
+            leaf.register_post_accumulate_grad_hook(self._take_graph_grad)  # type: ignore[no-untyped-call]
+            self.graph_local = leaf
+
+    def _take_graph_grad(self, leaf: torch.Tensor) -> None:
+        """A compiled backward's all-reduced gradient, moved onto the ``Replicate`` parameter
+        (dropped if it was frozen since the forward, as autograd drops a frozen leaf's)."""
+        grad = leaf.grad
+        leaf.grad = None
+        if grad is not None and self.sharded_param.requires_grad:
+            self.accumulate_grad(grad)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make every slot (a tied parameter has several) show ``tensor``."""
