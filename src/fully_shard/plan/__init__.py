@@ -159,8 +159,10 @@ class GroupPlan:
     Attributes:
         fqn: the module's qualified name (``""`` for the root).
         param_count: parameter elements it owns.
-        sharded_bytes: bytes of its shards on rank 0 (the largest), in the parameter dtype.
-        unsharded_bytes: bytes of its gathered, padded parameters in the compute dtype.
+        sharded_bytes: bytes of its shards on rank 0 (the largest), in the parameter dtype;
+            a kept-whole parameter's full size.
+        unsharded_bytes: bytes of its gathered, padded parameters in the compute dtype
+            (kept-whole ones are not gathered).
         reshard_after_forward: the value passed to ``fully_shard``.
         checkpoint: whether the block runs under activation checkpointing.
 
@@ -230,6 +232,8 @@ class Plan:
             or ``None``: no buckets.
         buckets: groups per bucket, in issue order, with ``bucket_cap_mb`` (what the root's
             ``buckets.sizes()`` will say after the first step); ``None`` without.
+        param_persistence_threshold: the user's, passed to every ``fully_shard`` call
+            (parameters of fewer elements kept whole on every rank), or ``None``.
 
     Example:
         >>> p = fully_shard.plan(model, budget="2GiB", world_size=8,  # doctest: +SKIP
@@ -258,6 +262,7 @@ class Plan:
     bucket_cap_mb: float | None = None
     # A dict, as the root's buckets.sizes() gives it: left out of the hash (a Plan hashes).
     buckets: dict[str, list[int]] | None = field(default=None, hash=False)
+    param_persistence_threshold: int | None = None
 
     def offload_policy(self) -> OffloadPolicy:
         """The offload policy every group gets.
@@ -307,6 +312,7 @@ class Plan:
             "mp_policy": self.mp_policy,
             "offload_policy": self.offload_policy(),
             "quantization_policy": self.quantization_policy,
+            "param_persistence_threshold": self.param_persistence_threshold,
         }
         for g in blocks:
             module = model.get_submodule(g.fqn)
@@ -486,6 +492,9 @@ class _Setup:
     replicate: int
     device_is_host: bool
     device_type: str
+    # bytes each rank sends in the end of backward's all-reduce of kept-whole gradients
+    kept_sent: float = 0.0
+    threshold: int | None = None
 
 
 def _trace_shortened(
@@ -626,6 +635,7 @@ def _cost_table(s: _Setup, levels: Iterable[bool | int]) -> _Costs:
         sent[flag] = tuple(_prefix(a for a, _ in per))
         host[flag] = tuple(_prefix(b for _, b in per))
     root_sent, root_host = _group_traffic(s, 0, False)
+    root_sent += s.kept_sent
     flops = [0, *_forward_flops(s.model.plain, n)]
     for k in range(1, n + 1):
         flops[k] += flops[k - 1]
@@ -676,11 +686,14 @@ def _to_plan(
         for i, p in enumerate(m.params):
             if p.group != g:
                 continue
+            numel += s.numels[i]
             d0, rest = p.rows_rest()
+            if p.kept:
+                shard += d0 * rest * p.orig_itemsize
+                continue
             split = split_rows(d0, s.world)  # rank 0's: the most rows
             shard += split.rows * rest * p.orig_itemsize
             unsharded += s.world * split.chunk * rest * p.compute_itemsize
-            numel += s.numels[i]
         groups.append(
             GroupPlan(
                 s.labels[g] if g else "", numel, shard, unsharded, c.reshard[g], c.checkpoint[g]
@@ -705,6 +718,7 @@ def _to_plan(
         quantization_policy=qp,
         bucket_cap_mb=c.bucket_cap_mb,
         buckets=None if c.bucket_cap_mb is None else _runs(s, c).sizes(),
+        param_persistence_threshold=s.threshold,
     )
 
 
@@ -780,6 +794,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     costs: StepCosts = StepCosts(),
     bucket_caps: Sequence[float] = (),
+    param_persistence_threshold: int | None = None,
 ) -> Plan:
     """The cheapest ``fully_shard`` configuration of ``model`` whose step fits in ``budget``.
 
@@ -822,6 +837,10 @@ def plan(
         bucket_caps: candidate ``set_bucket_cap_mb`` values (MiB). The configuration is
             chosen as without them; then it takes the largest cap under which its predicted
             peak, buckets included, still fits (none if none does), and ``apply`` sets it.
+        param_persistence_threshold: passed to every ``fully_shard`` call: parameters of
+            fewer elements are planned whole on every rank (parameter, gradient, optimizer
+            state and compute-dtype copy at full size; no gather or reduce-scatter; their
+            gradients held until the end of backward's all-reduce). An input, not a choice.
 
     Raises:
         PlanInfeasibleError: no allowed configuration fits; ``minimum_bytes`` says how much
@@ -891,6 +910,14 @@ def plan(
         raise FullyShardTypeError(f"quantization_policy must be a QuantizationPolicy, got {qp!r}")
     args, kwargs = _inputs(example_inputs)
     caps = _check_caps(bucket_caps)
+    threshold = param_persistence_threshold
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
+    ):
+        raise FullyShardValueError(
+            f"param_persistence_threshold must be a non-negative int (elements) or None, got "
+            f"{threshold!r}"
+        )
 
     block_names = _find_blocks(model, block_types)
     mode = fake_mode()
@@ -906,17 +933,19 @@ def plan(
         g = owner.get(id(p), 0)
         d0 = p.shape[0] if p.ndim else 1
         padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
+        kept = threshold is not None and p.numel() < threshold  # persist.is_persistent
         infos.append(
             ParamInfo(
                 shape=tuple(p.shape),
                 orig_itemsize=p.element_size(),
                 compute_itemsize=mp.compute_dtype(p.dtype).itemsize,
                 reduce_itemsize=mp.reduce_dtype_for(p.dtype).itemsize,
-                wire_bytes_per_row=_quant_bytes(qp, p.shape, p.dtype, padded),
+                wire_bytes_per_row=None if kept else _quant_bytes(qp, p.shape, p.dtype, padded),
                 trainable=p.requires_grad,
                 group=g,
                 compute_dtype=str(mp.compute_dtype(p.dtype)),
                 reduce_dtype=str(mp.reduce_dtype_for(p.dtype)),
+                kept=kept,
             )
         )
     replica_params = [mapping[id(p)] for p in params_orig]
@@ -948,8 +977,13 @@ def plan(
         ckpt = None  # the checkpointed run took another path: do not compose from it
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
+    kept_grads = 0
     for i, info in enumerate(infos):
         d0, rest = info.rows_rest()
+        if info.kept:
+            if i in plain.params_with_grad:
+                kept_grads += d0 * rest * info.reduce_itemsize
+            continue
         split = split_rows(d0, world)  # rank 0's: the most rows
         chunk = split.chunk
         wire = info.wire_bytes_per_row
@@ -968,6 +1002,9 @@ def plan(
         replicate,
         device_type == "cpu",
         device_type,
+        # a ring all-reduce over every data-parallel rank sends 2 (n - 1) / n of the buffer
+        2 * (world * replicate - 1) / (world * replicate) * kept_grads,
+        threshold,
     )
     candidates = _candidates(
         len(blocks), world, allowed if ckpt else allowed - {"checkpoint"}, device_type != "cpu"
