@@ -531,6 +531,8 @@ def _model() -> nn.Module:
         ({"example_inputs": [1]}, FullyShardTypeError, "example_inputs must be a tuple"),
         ({"bucket_caps": 25}, FullyShardTypeError, "bucket_caps must be a sequence"),
         ({"bucket_caps": (25, 0)}, FullyShardValueError, "positive, finite size in MiB"),
+        ({"param_persistence_threshold": 1.5}, FullyShardTypeError, "must be an int"),
+        ({"param_persistence_threshold": -1}, FullyShardValueError, "is negative"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(

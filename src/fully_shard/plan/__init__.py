@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import FullyShardTypeError, FullyShardValueError, PlanInfeasibleError
 from ..layout import split_rows
+from ..persist import is_persistent
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from ..quantize import int8_gather_nbytes
 from .activations import Mark, Trace, fake_mode, fake_replica, run_trace, to_fake
@@ -360,6 +361,11 @@ class Plan:
             lines.append(
                 f"buckets (set_bucket_cap_mb({self.bucket_cap_mb})): forward gathers "
                 f"{b['forward']}, backward gathers {b['backward']}, reductions {b['reduce']}"
+            )
+        if self.param_persistence_threshold is not None:
+            lines.append(
+                f"kept whole on every rank (param_persistence_threshold="
+                f"{self.param_persistence_threshold}): parameters of fewer elements"
             )
         lines.append(
             f"moves {_fmt(self.step_bytes)} per rank per step; recomputes "
@@ -910,14 +916,9 @@ def plan(
         raise FullyShardTypeError(f"quantization_policy must be a QuantizationPolicy, got {qp!r}")
     args, kwargs = _inputs(example_inputs)
     caps = _check_caps(bucket_caps)
-    threshold = param_persistence_threshold
-    if threshold is not None and (
-        isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
-    ):
-        raise FullyShardValueError(
-            f"param_persistence_threshold must be a non-negative int (elements) or None, got "
-            f"{threshold!r}"
-        )
+    from ..api import _check_persistence_threshold  # fully_shard's own check and messages
+
+    threshold = _check_persistence_threshold(param_persistence_threshold)
 
     block_names = _find_blocks(model, block_types)
     mode = fake_mode()
@@ -933,7 +934,7 @@ def plan(
         g = owner.get(id(p), 0)
         d0 = p.shape[0] if p.ndim else 1
         padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
-        kept = threshold is not None and p.numel() < threshold  # persist.is_persistent
+        kept = is_persistent(p, threshold, None)  # the planner sees no TP parameters
         infos.append(
             ParamInfo(
                 shape=tuple(p.shape),
