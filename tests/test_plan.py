@@ -332,6 +332,34 @@ def test_predicted_peak_with_kept_whole_params_matches_memtracker_and_fits(
             assert abs(blind - measured) > TOLERANCE * measured, (blind, measured)
 
 
+def test_candidate_thresholds_take_the_largest_that_fits() -> None:
+    spec = _mlp(640, 48, 5, "none", 2, 16, tie=False)
+    tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
+
+    def planned(threshold: Any, budget: int | str = "1TiB") -> Plan:
+        return plan(
+            _build(spec),
+            budget=budget,
+            world_size=2,
+            example_inputs=(tokens,),
+            loss_fn=loss_fn,
+            allow=(),
+            param_persistence_threshold=threshold,
+        )
+
+    none, norms, blocks = (planned(t) for t in (None, 200, 10_000))
+    assert none.peak_bytes < norms.peak_bytes < blocks.peak_bytes
+    assert blocks.step_bytes < none.step_bytes  # the blocks gather nothing
+    for budget, taken, like in [
+        (blocks.peak_bytes, 10_000, blocks),
+        (blocks.peak_bytes - 1, 200, norms),
+        (norms.peak_bytes - 1, None, none),
+    ]:
+        p = planned((200, 10_000), budget)
+        assert p.param_persistence_threshold == taken, str(p)
+        assert (p.peak_bytes, p.step_bytes) == (like.peak_bytes, like.step_bytes)
+
+
 def _measure_buckets(
     spec: dict[str, Any], caps: tuple[float, ...]
 ) -> tuple[int, int, int, int, float | None, Any, Any, str]:
@@ -533,6 +561,7 @@ def _model() -> nn.Module:
         ({"bucket_caps": (25, 0)}, FullyShardValueError, "positive, finite size in MiB"),
         ({"param_persistence_threshold": 1.5}, FullyShardTypeError, "must be an int"),
         ({"param_persistence_threshold": -1}, FullyShardValueError, "is negative"),
+        ({"param_persistence_threshold": (64, None)}, FullyShardTypeError, "holds None"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(

@@ -233,8 +233,9 @@ class Plan:
             or ``None``: no buckets.
         buckets: groups per bucket, in issue order, with ``bucket_cap_mb`` (what the root's
             ``buckets.sizes()`` will say after the first step); ``None`` without.
-        param_persistence_threshold: the user's, passed to every ``fully_shard`` call
-            (parameters of fewer elements kept whole on every rank), or ``None``.
+        param_persistence_threshold: passed to every ``fully_shard`` call (parameters of
+            fewer elements kept whole on every rank): the user's, or the candidate chosen
+            among theirs; ``None``: none.
 
     Example:
         >>> p = fully_shard.plan(model, budget="2GiB", world_size=8,  # doctest: +SKIP
@@ -775,6 +776,22 @@ def _check_caps(caps: Sequence[float]) -> tuple[float, ...]:
     return tuple(caps)
 
 
+def _check_thresholds(value: object) -> tuple[int | None, tuple[int, ...]]:
+    """(the threshold to plan with, the candidates to choose among) from
+    ``param_persistence_threshold``: an int or None, or a sequence of candidates."""
+    from ..api import _check_persistence_threshold  # fully_shard's own check and messages
+
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        found = tuple(_check_persistence_threshold(v) for v in value)
+        if any(v is None for v in found):
+            raise FullyShardTypeError(
+                f"param_persistence_threshold holds None among its candidates {value!r}; "
+                "list numbers of elements only (the plan may take none of them)"
+            )
+        return None, tuple(v for v in found if v is not None)
+    return _check_persistence_threshold(value), ()
+
+
 def _describe(c: Choice, labels: Sequence[str]) -> str:
     blocks = range(1, len(labels))
     reshard = Counter(str(c.reshard[g]) for g in blocks)
@@ -800,7 +817,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     costs: StepCosts = StepCosts(),
     bucket_caps: Sequence[float] = (),
-    param_persistence_threshold: int | None = None,
+    param_persistence_threshold: int | Sequence[int] | None = None,
 ) -> Plan:
     """The cheapest ``fully_shard`` configuration of ``model`` whose step fits in ``budget``.
 
@@ -846,7 +863,10 @@ def plan(
         param_persistence_threshold: passed to every ``fully_shard`` call: parameters of
             fewer elements are planned whole on every rank (parameter, gradient, optimizer
             state and compute-dtype copy at full size; no gather or reduce-scatter; their
-            gradients held until the end of backward's all-reduce). An input, not a choice.
+            gradients held until the end of backward's all-reduce). A sequence lists
+            candidates: the configuration is chosen without any; then it takes the largest
+            candidate under which its predicted peak still fits (none if none does), before
+            the bucket caps, and ``apply`` passes it on.
 
     Raises:
         PlanInfeasibleError: no allowed configuration fits; ``minimum_bytes`` says how much
@@ -916,9 +936,7 @@ def plan(
         raise FullyShardTypeError(f"quantization_policy must be a QuantizationPolicy, got {qp!r}")
     args, kwargs = _inputs(example_inputs)
     caps = _check_caps(bucket_caps)
-    from ..api import _check_persistence_threshold  # fully_shard's own check and messages
-
-    threshold = _check_persistence_threshold(param_persistence_threshold)
+    threshold, thresholds = _check_thresholds(param_persistence_threshold)
 
     block_names = _find_blocks(model, block_types)
     mode = fake_mode()
@@ -929,28 +947,8 @@ def plan(
     for b, name in enumerate(block_names, start=1):
         for p in model.get_submodule(name).parameters():
             owner.setdefault(id(p), b)
-    infos: list[ParamInfo] = []
-    for p in params_orig:
-        g = owner.get(id(p), 0)
-        d0 = p.shape[0] if p.ndim else 1
-        padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
-        kept = is_persistent(p, threshold, None)  # the planner sees no TP parameters
-        infos.append(
-            ParamInfo(
-                shape=tuple(p.shape),
-                orig_itemsize=p.element_size(),
-                compute_itemsize=mp.compute_dtype(p.dtype).itemsize,
-                reduce_itemsize=mp.reduce_dtype_for(p.dtype).itemsize,
-                wire_bytes_per_row=None if kept else _quant_bytes(qp, p.shape, p.dtype, padded),
-                trainable=p.requires_grad,
-                group=g,
-                compute_dtype=str(mp.compute_dtype(p.dtype)),
-                reduce_dtype=str(mp.reduce_dtype_for(p.dtype)),
-                kept=kept,
-            )
-        )
     replica_params = [mapping[id(p)] for p in params_orig]
-    owners = [i.group for i in infos]
+    owners = [owner.get(id(p), 0) for p in params_orig]
     meta_args, meta_kwargs = to_fake((args, kwargs), mode)
     in_dtype = mp.forward_input_dtype()
     loss = _default_loss if loss_fn is None else loss_fn
@@ -977,36 +975,62 @@ def plan(
     ]:
         ckpt = None  # the checkpointed run took another path: do not compose from it
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
-    kept_grads = 0
-    for i, info in enumerate(infos):
-        d0, rest = info.rows_rest()
-        if info.kept:
+
+    def setup_for(threshold: int | None) -> _Setup:
+        """The planner's view of the model with ``threshold``'s parameters kept whole (the
+        trace does not depend on it: the same tensors are computed with either way)."""
+        infos: list[ParamInfo] = []
+        for p in params_orig:
+            g = owner.get(id(p), 0)
+            d0 = p.shape[0] if p.ndim else 1
+            padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
+            kept = is_persistent(p, threshold, None)  # the planner sees no TP parameters
+            infos.append(
+                ParamInfo(
+                    shape=tuple(p.shape),
+                    orig_itemsize=p.element_size(),
+                    compute_itemsize=mp.compute_dtype(p.dtype).itemsize,
+                    reduce_itemsize=mp.reduce_dtype_for(p.dtype).itemsize,
+                    wire_bytes_per_row=None if kept else _quant_bytes(qp, p.shape, p.dtype, padded),
+                    trainable=p.requires_grad,
+                    group=g,
+                    compute_dtype=str(mp.compute_dtype(p.dtype)),
+                    reduce_dtype=str(mp.reduce_dtype_for(p.dtype)),
+                    kept=kept,
+                )
+            )
+        sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
+        kept_grads = 0
+        for i, info in enumerate(infos):
+            d0, rest = info.rows_rest()
+            if info.kept:
+                if i in plain.params_with_grad:
+                    kept_grads += d0 * rest * info.reduce_itemsize
+                continue
+            split = split_rows(d0, world)  # rank 0's: the most rows
+            chunk = split.chunk
+            wire = info.wire_bytes_per_row
+            acc = sums[info.group]
+            acc[0] += world * (chunk * rest * info.compute_itemsize if wire is None else wire)
+            acc[2] += split.rows * rest * info.orig_itemsize
             if i in plain.params_with_grad:
-                kept_grads += d0 * rest * info.reduce_itemsize
-            continue
-        split = split_rows(d0, world)  # rank 0's: the most rows
-        chunk = split.chunk
-        wire = info.wire_bytes_per_row
-        acc = sums[info.group]
-        acc[0] += world * (chunk * rest * info.compute_itemsize if wire is None else wire)
-        acc[2] += split.rows * rest * info.orig_itemsize
-        if i in plain.params_with_grad:
-            acc[1] += world * chunk * rest * info.reduce_itemsize
-            acc[3] += split.rows * rest * info.orig_itemsize
-    setup = _Setup(
-        Model(tuple(infos), len(blocks) + 1, plain, ckpt, buffers, state_of, adam),
-        tuple((a, b, c, d) for a, b, c, d in sums),
-        ("(root)", *block_names),
-        tuple(p.numel() for p in params_orig),
-        world,
-        replicate,
-        device_type == "cpu",
-        device_type,
-        # a ring all-reduce over every data-parallel rank sends 2 (n - 1) / n of the buffer
-        2 * (world * replicate - 1) / (world * replicate) * kept_grads,
-        threshold,
-    )
+                acc[1] += world * chunk * rest * info.reduce_itemsize
+                acc[3] += split.rows * rest * info.orig_itemsize
+        return _Setup(
+            Model(tuple(infos), len(blocks) + 1, plain, ckpt, buffers, state_of, adam),
+            tuple((a, b, c, d) for a, b, c, d in sums),
+            ("(root)", *block_names),
+            tuple(p.numel() for p in params_orig),
+            world,
+            replicate,
+            device_type == "cpu",
+            device_type,
+            # a ring all-reduce over every data-parallel rank sends 2 (n - 1) / n of the buffer
+            2 * (world * replicate - 1) / (world * replicate) * kept_grads,
+            threshold,
+        )
+
+    setup = setup_for(threshold)
     candidates = _candidates(
         len(blocks), world, allowed if ckpt else allowed - {"checkpoint"}, device_type != "cpu"
     )
@@ -1019,6 +1043,12 @@ def plan(
         c = k.choice(len(blocks))
         peak = _simulate(setup, c).peak
         if peak <= budget_bytes:
+            # Candidate thresholds, as bucket caps: the most kept whole that still fits.
+            for t in sorted(thresholds, reverse=True):
+                kept = setup_for(t)
+                if _simulate(kept, c).peak <= budget_bytes:
+                    setup, cost = kept, _cost_table(kept, {k.level}).of(k, costs)
+                    break
             c = _with_buckets(setup, c, caps, budget_bytes)
             return _to_plan(setup, c, budget_bytes, cost, mp, qp)
         if best is None or peak < best[0]:
