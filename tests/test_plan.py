@@ -728,8 +728,9 @@ def test_cli_plans_a_hugging_face_config(
     from fully_shard.plan.__main__ import main
 
     argv = ["--config", str(path), "--world-size", "4", "--budget", "64MiB", "--batch", "2"]
-    argv += ["--seq", "32", "--mixed-precision", "bf16"]
+    argv += ["--seq", "32", "--mixed-precision", "bf16", "--param-persistence-threshold", "33"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert "kept whole on every rank (param_persistence_threshold=33)" in out
     assert "model.layers.2" in out
     assert "predicted peak" in out
