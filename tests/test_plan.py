@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fully_shard import (
+    FSDPModule,
     FullyShardTypeError,
     FullyShardValueError,
     MixedPrecisionPolicy,
@@ -161,26 +162,27 @@ def _train(model: nn.Module, spec: dict[str, Any], steps: int) -> list[float]:
     return losses
 
 
-def _budgets_between(spec: dict[str, Any], wheres: Sequence[float]) -> list[int]:
+def _budgets_between(spec: dict[str, Any], wheres: Sequence[float], **kw: Any) -> list[int]:
     """Budgets each ``where`` of the way from the feasible minimum to the unconstrained peak
     (two plans, each traced anew, however many budgets). Both are the largest over the ranks,
     the same on every rank: rank 0 plans them and sends them (the ranks share the cores)."""
     bounds: list[Any] = [None, None]
     if dist.get_rank() == 0:
         try:
-            _plan(spec, 1)
+            _plan(spec, 1, **kw)
         except PlanInfeasibleError as e:
             bounds[0] = e.minimum_bytes
-        bounds[1] = _plan(spec, "1TiB").peak_bytes
+        bounds[1] = _plan(spec, "1TiB", **kw).peak_bytes
     dist.broadcast_object_list(bounds, src=0)
     low, high = bounds
     return [int(low + where * (high - low)) for where in wheres]
 
 
-def _measure(spec: dict[str, Any], where: float) -> tuple[int, int, int, str]:
-    """On each rank: (predicted peak, measured peak, budget, the plan's table)."""
-    (budget,) = _budgets_between(spec, [where])
-    p = _plan(spec, budget)
+def _measure(spec: dict[str, Any], where: float, **kw: Any) -> tuple[int, int, int, str]:
+    """On each rank: (predicted peak, measured peak, budget, the plan's table); ``kw``: more
+    arguments of ``plan``."""
+    (budget,) = _budgets_between(spec, [where], **kw)
+    p = _plan(spec, budget, **kw)
     model = p.apply(_build(spec), mesh_1d())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tracker = _Tracker()
@@ -257,6 +259,105 @@ def test_predicted_peak_matches_memtracker_and_fits(
             f"predicted {predicted}, measured {measured}\n{table}"
         )
         assert measured <= budget, f"measured {measured} > budget {budget}\n{table}"
+
+
+def _measure_kept(spec: dict[str, Any], threshold: int) -> tuple[int, int, int, int, int, str]:
+    """Kept-whole parameters: the default configuration under a budget that is its predicted
+    peak exactly. On each rank: (predicted, predicted without the threshold, measured,
+    budget, kept-whole parameters in the engine, the table)."""
+    bounds: list[Any] = [None, None]
+    if dist.get_rank() == 0:  # the ranks share the cores: one plans the budget
+        bounds[0] = _plan(spec, "1TiB", allow=(), param_persistence_threshold=threshold).peak_bytes
+        bounds[1] = _plan(spec, "1TiB", allow=()).rank_peaks
+    dist.broadcast_object_list(bounds, src=0)
+    budget, blind = bounds
+    p = _plan(spec, budget, allow=(), param_persistence_threshold=threshold)
+    model = p.apply(_build(spec), mesh_1d())
+    kept = sum(
+        len(g.persistent)
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._fsdp_state.groups  # type: ignore[union-attr]
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tracker = _Tracker()
+    tracker.track_external(model)
+    with tracker:
+        for step in range(2):
+            loss = loss_fn(model(_tokens(spec, step)))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            del loss
+            tracker.reset_mod_stats()
+    measured = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    rank = dist.get_rank()
+    return p.rank_peaks[rank], blind[rank], measured, budget, kept, str(p)
+
+
+@pytest.mark.parametrize(
+    ("spec", "world", "threshold", "blind_misses"),
+    [
+        # Pre-norm MLP blocks (W=2): every norm weight and bias (at most 4 * 48 elements) kept
+        # whole, the matrices sharded.
+        (_mlp(640, 48, 5, "none", 2, 16, tie=False), 2, 200, False),
+        # The same with every block parameter (48 x 192 at most) kept whole: the blocks gather
+        # and reduce-scatter nothing; only the embedding and the head are sharded.
+        (_mlp(640, 48, 5, "none", 2, 16, tie=False), 2, 10_000, True),
+        # Llama-style blocks in bf16 (W=4): the RMSNorm weights kept whole, each with its
+        # bf16 copy; a tied head.
+        (
+            {"kind": "transformer", "vocab": 37, "dim": 16, "layers": 4, "ffn": 40, "tie": True}
+            | {"frozen": "none", "mp": True, "batch": 2, "seq": 8},
+            4,
+            17,
+            False,
+        ),
+    ],
+)
+def test_predicted_peak_with_kept_whole_params_matches_memtracker_and_fits(
+    spec: dict[str, Any], world: int, threshold: int, blind_misses: bool
+) -> None:
+    small = [n for n, p in _build(spec).named_parameters() if p.numel() < threshold]
+    for predicted, blind, measured, budget, kept, table in run_distributed(
+        _measure_kept, world, spec, threshold, timeout=120
+    ):
+        assert kept == len(small), table  # the plan passed the threshold to fully_shard
+        assert abs(predicted - measured) <= TOLERANCE * measured, (
+            f"predicted {predicted}, measured {measured}\n{table}"
+        )
+        assert measured <= budget, f"measured {measured} > budget {budget}\n{table}"
+        assert predicted > blind  # the kept-whole memory is in the prediction
+        if blind_misses:  # ... and a prediction without it would fail the tolerance
+            assert abs(blind - measured) > TOLERANCE * measured, (blind, measured)
+
+
+def test_candidate_thresholds_take_the_largest_that_fits() -> None:
+    spec = _mlp(640, 48, 5, "none", 2, 16, tie=False)
+    tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
+
+    def planned(threshold: Any, budget: int | str = "1TiB") -> Plan:
+        return plan(
+            _build(spec),
+            budget=budget,
+            world_size=2,
+            example_inputs=(tokens,),
+            loss_fn=loss_fn,
+            allow=(),
+            param_persistence_threshold=threshold,
+        )
+
+    none, norms, blocks = (planned(t) for t in (None, 200, 10_000))
+    assert none.peak_bytes < norms.peak_bytes < blocks.peak_bytes
+    assert blocks.step_bytes < none.step_bytes  # the blocks gather nothing
+    for budget, taken, like in [
+        (blocks.peak_bytes, 10_000, blocks),
+        (blocks.peak_bytes - 1, 200, norms),
+        (norms.peak_bytes - 1, None, none),
+    ]:
+        p = planned((200, 10_000), budget)
+        assert p.param_persistence_threshold == taken, str(p)
+        assert (p.peak_bytes, p.step_bytes) == (like.peak_bytes, like.step_bytes)
 
 
 def _measure_buckets(
@@ -458,6 +559,9 @@ def _model() -> nn.Module:
         ({"example_inputs": [1]}, FullyShardTypeError, "example_inputs must be a tuple"),
         ({"bucket_caps": 25}, FullyShardTypeError, "bucket_caps must be a sequence"),
         ({"bucket_caps": (25, 0)}, FullyShardValueError, "positive, finite size in MiB"),
+        ({"param_persistence_threshold": 1.5}, FullyShardTypeError, "must be an int"),
+        ({"param_persistence_threshold": -1}, FullyShardValueError, "is negative"),
+        ({"param_persistence_threshold": (64, None)}, FullyShardTypeError, "holds None"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(
@@ -624,8 +728,9 @@ def test_cli_plans_a_hugging_face_config(
     from fully_shard.plan.__main__ import main
 
     argv = ["--config", str(path), "--world-size", "4", "--budget", "64MiB", "--batch", "2"]
-    argv += ["--seq", "32", "--mixed-precision", "bf16"]
+    argv += ["--seq", "32", "--mixed-precision", "bf16", "--param-persistence-threshold", "33"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert "kept whole on every rank (param_persistence_threshold=33)" in out
     assert "model.layers.2" in out
     assert "predicted peak" in out

@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import FullyShardTypeError, FullyShardValueError, PlanInfeasibleError
 from ..layout import split_rows
+from ..persist import is_persistent
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizationPolicy
 from ..quantize import int8_gather_nbytes
 from .activations import Mark, Trace, fake_mode, fake_replica, run_trace, to_fake
@@ -159,8 +160,10 @@ class GroupPlan:
     Attributes:
         fqn: the module's qualified name (``""`` for the root).
         param_count: parameter elements it owns.
-        sharded_bytes: bytes of its shards on rank 0 (the largest), in the parameter dtype.
-        unsharded_bytes: bytes of its gathered, padded parameters in the compute dtype.
+        sharded_bytes: bytes of its shards on rank 0 (the largest), in the parameter dtype;
+            a kept-whole parameter's full size.
+        unsharded_bytes: bytes of its gathered, padded parameters in the compute dtype
+            (kept-whole ones are not gathered).
         reshard_after_forward: the value passed to ``fully_shard``.
         checkpoint: whether the block runs under activation checkpointing.
 
@@ -230,6 +233,9 @@ class Plan:
             or ``None``: no buckets.
         buckets: groups per bucket, in issue order, with ``bucket_cap_mb`` (what the root's
             ``buckets.sizes()`` will say after the first step); ``None`` without.
+        param_persistence_threshold: passed to every ``fully_shard`` call (parameters of
+            fewer elements kept whole on every rank): the user's, or the candidate chosen
+            among theirs; ``None``: none.
 
     Example:
         >>> p = fully_shard.plan(model, budget="2GiB", world_size=8,  # doctest: +SKIP
@@ -258,6 +264,7 @@ class Plan:
     bucket_cap_mb: float | None = None
     # A dict, as the root's buckets.sizes() gives it: left out of the hash (a Plan hashes).
     buckets: dict[str, list[int]] | None = field(default=None, hash=False)
+    param_persistence_threshold: int | None = None
 
     def offload_policy(self) -> OffloadPolicy:
         """The offload policy every group gets.
@@ -307,6 +314,7 @@ class Plan:
             "mp_policy": self.mp_policy,
             "offload_policy": self.offload_policy(),
             "quantization_policy": self.quantization_policy,
+            "param_persistence_threshold": self.param_persistence_threshold,
         }
         for g in blocks:
             module = model.get_submodule(g.fqn)
@@ -354,6 +362,11 @@ class Plan:
             lines.append(
                 f"buckets (set_bucket_cap_mb({self.bucket_cap_mb})): forward gathers "
                 f"{b['forward']}, backward gathers {b['backward']}, reductions {b['reduce']}"
+            )
+        if self.param_persistence_threshold is not None:
+            lines.append(
+                f"kept whole on every rank (param_persistence_threshold="
+                f"{self.param_persistence_threshold}): parameters of fewer elements"
             )
         lines.append(
             f"moves {_fmt(self.step_bytes)} per rank per step; recomputes "
@@ -486,6 +499,9 @@ class _Setup:
     replicate: int
     device_is_host: bool
     device_type: str
+    # bytes each rank sends in the end of backward's all-reduce of kept-whole gradients
+    kept_sent: float = 0.0
+    threshold: int | None = None
 
 
 def _trace_shortened(
@@ -626,6 +642,7 @@ def _cost_table(s: _Setup, levels: Iterable[bool | int]) -> _Costs:
         sent[flag] = tuple(_prefix(a for a, _ in per))
         host[flag] = tuple(_prefix(b for _, b in per))
     root_sent, root_host = _group_traffic(s, 0, False)
+    root_sent += s.kept_sent
     flops = [0, *_forward_flops(s.model.plain, n)]
     for k in range(1, n + 1):
         flops[k] += flops[k - 1]
@@ -676,11 +693,14 @@ def _to_plan(
         for i, p in enumerate(m.params):
             if p.group != g:
                 continue
+            numel += s.numels[i]
             d0, rest = p.rows_rest()
+            if p.kept:
+                shard += d0 * rest * p.orig_itemsize
+                continue
             split = split_rows(d0, s.world)  # rank 0's: the most rows
             shard += split.rows * rest * p.orig_itemsize
             unsharded += s.world * split.chunk * rest * p.compute_itemsize
-            numel += s.numels[i]
         groups.append(
             GroupPlan(
                 s.labels[g] if g else "", numel, shard, unsharded, c.reshard[g], c.checkpoint[g]
@@ -705,6 +725,7 @@ def _to_plan(
         quantization_policy=qp,
         bucket_cap_mb=c.bucket_cap_mb,
         buckets=None if c.bucket_cap_mb is None else _runs(s, c).sizes(),
+        param_persistence_threshold=s.threshold,
     )
 
 
@@ -755,6 +776,22 @@ def _check_caps(caps: Sequence[float]) -> tuple[float, ...]:
     return tuple(caps)
 
 
+def _check_thresholds(value: object) -> tuple[int | None, tuple[int, ...]]:
+    """(the threshold to plan with, the candidates to choose among) from
+    ``param_persistence_threshold``: an int or None, or a sequence of candidates."""
+    from ..api import _check_persistence_threshold  # fully_shard's own check and messages
+
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        found = tuple(_check_persistence_threshold(v) for v in value)
+        if any(v is None for v in found):
+            raise FullyShardTypeError(
+                f"param_persistence_threshold holds None among its candidates {value!r}; "
+                "list numbers of elements only (the plan may take none of them)"
+            )
+        return None, tuple(v for v in found if v is not None)
+    return _check_persistence_threshold(value), ()
+
+
 def _describe(c: Choice, labels: Sequence[str]) -> str:
     blocks = range(1, len(labels))
     reshard = Counter(str(c.reshard[g]) for g in blocks)
@@ -780,6 +817,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     costs: StepCosts = StepCosts(),
     bucket_caps: Sequence[float] = (),
+    param_persistence_threshold: int | Sequence[int] | None = None,
 ) -> Plan:
     """The cheapest ``fully_shard`` configuration of ``model`` whose step fits in ``budget``.
 
@@ -822,6 +860,13 @@ def plan(
         bucket_caps: candidate ``set_bucket_cap_mb`` values (MiB). The configuration is
             chosen as without them; then it takes the largest cap under which its predicted
             peak, buckets included, still fits (none if none does), and ``apply`` sets it.
+        param_persistence_threshold: passed to every ``fully_shard`` call: parameters of
+            fewer elements are planned whole on every rank (parameter, gradient, optimizer
+            state and compute-dtype copy at full size; no gather or reduce-scatter; their
+            gradients held until the end of backward's all-reduce). A sequence lists
+            candidates: the configuration is chosen without any; then it takes the largest
+            candidate under which its predicted peak still fits (none if none does), before
+            the bucket caps, and ``apply`` passes it on.
 
     Raises:
         PlanInfeasibleError: no allowed configuration fits; ``minimum_bytes`` says how much
@@ -891,6 +936,7 @@ def plan(
         raise FullyShardTypeError(f"quantization_policy must be a QuantizationPolicy, got {qp!r}")
     args, kwargs = _inputs(example_inputs)
     caps = _check_caps(bucket_caps)
+    threshold, thresholds = _check_thresholds(param_persistence_threshold)
 
     block_names = _find_blocks(model, block_types)
     mode = fake_mode()
@@ -901,26 +947,8 @@ def plan(
     for b, name in enumerate(block_names, start=1):
         for p in model.get_submodule(name).parameters():
             owner.setdefault(id(p), b)
-    infos: list[ParamInfo] = []
-    for p in params_orig:
-        g = owner.get(id(p), 0)
-        d0 = p.shape[0] if p.ndim else 1
-        padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
-        infos.append(
-            ParamInfo(
-                shape=tuple(p.shape),
-                orig_itemsize=p.element_size(),
-                compute_itemsize=mp.compute_dtype(p.dtype).itemsize,
-                reduce_itemsize=mp.reduce_dtype_for(p.dtype).itemsize,
-                wire_bytes_per_row=_quant_bytes(qp, p.shape, p.dtype, padded),
-                trainable=p.requires_grad,
-                group=g,
-                compute_dtype=str(mp.compute_dtype(p.dtype)),
-                reduce_dtype=str(mp.reduce_dtype_for(p.dtype)),
-            )
-        )
     replica_params = [mapping[id(p)] for p in params_orig]
-    owners = [i.group for i in infos]
+    owners = [owner.get(id(p), 0) for p in params_orig]
     meta_args, meta_kwargs = to_fake((args, kwargs), mode)
     in_dtype = mp.forward_input_dtype()
     loss = _default_loss if loss_fn is None else loss_fn
@@ -947,28 +975,62 @@ def plan(
     ]:
         ckpt = None  # the checkpointed run took another path: do not compose from it
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
-    for i, info in enumerate(infos):
-        d0, rest = info.rows_rest()
-        split = split_rows(d0, world)  # rank 0's: the most rows
-        chunk = split.chunk
-        wire = info.wire_bytes_per_row
-        acc = sums[info.group]
-        acc[0] += world * (chunk * rest * info.compute_itemsize if wire is None else wire)
-        acc[2] += split.rows * rest * info.orig_itemsize
-        if i in plain.params_with_grad:
-            acc[1] += world * chunk * rest * info.reduce_itemsize
-            acc[3] += split.rows * rest * info.orig_itemsize
-    setup = _Setup(
-        Model(tuple(infos), len(blocks) + 1, plain, ckpt, buffers, state_of, adam),
-        tuple((a, b, c, d) for a, b, c, d in sums),
-        ("(root)", *block_names),
-        tuple(p.numel() for p in params_orig),
-        world,
-        replicate,
-        device_type == "cpu",
-        device_type,
-    )
+
+    def setup_for(threshold: int | None) -> _Setup:
+        """The planner's view of the model with ``threshold``'s parameters kept whole (the
+        trace does not depend on it: the same tensors are computed with either way)."""
+        infos: list[ParamInfo] = []
+        for p in params_orig:
+            g = owner.get(id(p), 0)
+            d0 = p.shape[0] if p.ndim else 1
+            padded = split_rows(d0, world).chunk * (p[0].numel() if p.ndim and d0 else 1)
+            kept = is_persistent(p, threshold, None)  # the planner sees no TP parameters
+            infos.append(
+                ParamInfo(
+                    shape=tuple(p.shape),
+                    orig_itemsize=p.element_size(),
+                    compute_itemsize=mp.compute_dtype(p.dtype).itemsize,
+                    reduce_itemsize=mp.reduce_dtype_for(p.dtype).itemsize,
+                    wire_bytes_per_row=None if kept else _quant_bytes(qp, p.shape, p.dtype, padded),
+                    trainable=p.requires_grad,
+                    group=g,
+                    compute_dtype=str(mp.compute_dtype(p.dtype)),
+                    reduce_dtype=str(mp.reduce_dtype_for(p.dtype)),
+                    kept=kept,
+                )
+            )
+        sums = [[0, 0, 0, 0] for _ in range(len(blocks) + 1)]
+        kept_grads = 0
+        for i, info in enumerate(infos):
+            d0, rest = info.rows_rest()
+            if info.kept:
+                if i in plain.params_with_grad:
+                    kept_grads += d0 * rest * info.reduce_itemsize
+                continue
+            split = split_rows(d0, world)  # rank 0's: the most rows
+            chunk = split.chunk
+            wire = info.wire_bytes_per_row
+            acc = sums[info.group]
+            acc[0] += world * (chunk * rest * info.compute_itemsize if wire is None else wire)
+            acc[2] += split.rows * rest * info.orig_itemsize
+            if i in plain.params_with_grad:
+                acc[1] += world * chunk * rest * info.reduce_itemsize
+                acc[3] += split.rows * rest * info.orig_itemsize
+        return _Setup(
+            Model(tuple(infos), len(blocks) + 1, plain, ckpt, buffers, state_of, adam),
+            tuple((a, b, c, d) for a, b, c, d in sums),
+            ("(root)", *block_names),
+            tuple(p.numel() for p in params_orig),
+            world,
+            replicate,
+            device_type == "cpu",
+            device_type,
+            # a ring all-reduce over every data-parallel rank sends 2 (n - 1) / n of the buffer
+            2 * (world * replicate - 1) / (world * replicate) * kept_grads,
+            threshold,
+        )
+
+    setup = setup_for(threshold)
     candidates = _candidates(
         len(blocks), world, allowed if ckpt else allowed - {"checkpoint"}, device_type != "cpu"
     )
@@ -981,6 +1043,12 @@ def plan(
         c = k.choice(len(blocks))
         peak = _simulate(setup, c).peak
         if peak <= budget_bytes:
+            # Candidate thresholds, as bucket caps: the most kept whole that still fits.
+            for t in sorted(thresholds, reverse=True):
+                kept = setup_for(t)
+                if _simulate(kept, c).peak <= budget_bytes:
+                    setup, cost = kept, _cost_table(kept, {k.level}).of(k, costs)
+                    break
             c = _with_buckets(setup, c, caps, budget_bytes)
             return _to_plan(setup, c, budget_bytes, cost, mp, qp)
         if best is None or peak < best[0]:

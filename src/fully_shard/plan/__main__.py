@@ -44,6 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--allow", default="reshard,checkpoint,offload", help="options the planner may change"
     )
+    parser.add_argument(
+        "--param-persistence-threshold",
+        type=int,
+        default=None,
+        help="keep parameters of fewer elements whole on every rank (fully_shard's option)",
+    )
     ns = parser.parse_args(argv)
     try:
         # Imported by name: an optional dependency (the `hf` extra), not needed to type-check.
@@ -76,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mp_policy=mp,
             optimizer=ns.optimizer,
             allow=tuple(a for a in ns.allow.split(",") if a),
+            param_persistence_threshold=ns.param_persistence_threshold,
         )
     except PlanInfeasibleError as e:
         print(e, file=sys.stderr)

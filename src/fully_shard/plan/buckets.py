@@ -113,7 +113,8 @@ def bucket_runs(
         return BucketRuns()
     members: dict[int, list[ParamInfo]] = {}
     for p in params:
-        members.setdefault(p.group, []).append(p)
+        if not p.kept:  # kept whole: in no collective a bucket merges
+            members.setdefault(p.group, []).append(p)
 
     def padded(p: ParamInfo) -> int:
         d0, rest = p.rows_rest()

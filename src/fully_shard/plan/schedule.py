@@ -23,6 +23,15 @@ optimizer state             per trainable parameter, from the first step on
 optimizer temporaries       AdamW's ``sqrt`` and divide on a shard, and the previous
                             shard's result (one parameter at a time, in order); with the
                             foreach kernels (accelerator) a ``sqrt`` of every shard at once
+kept-whole parameters       ``param_persistence_threshold`` (``ParamInfo.kept``): the whole
+                            tensor on every rank, with its optimizer state, and (mixed
+                            precision) its compute-dtype copy, made at the first unshard
+                            and kept; never gathered. Its gradient (measured, reduce dtype)
+                            is the pending sum from its group's post-backward to the end
+                            of backward, where one flat buffer of all of them is
+                            all-reduced (before the reduce-scatters in flight finish); the
+                            ``.grad`` views the buffer in the parameter's dtype, else is a
+                            copy out of it
 ==========================  ============================================================
 
 With ``set_bucket_cap_mb`` (``Choice.bucket_cap_mb``), runs of groups share collectives
@@ -85,6 +94,9 @@ class ParamInfo:
     # The dtypes' names: two groups share a bucket only where these agree (bucket keys).
     compute_dtype: str = ""
     reduce_dtype: str = ""
+    # Kept whole on every rank (param_persistence_threshold): never gathered or
+    # reduce-scattered; its gradient waits for the end of backward's all-reduce.
+    kept: bool = False
 
     def rows_rest(self) -> tuple[int, int]:
         if not self.shape:
@@ -193,8 +205,11 @@ def adam_temporaries(shards: Sequence[tuple[int, int]], foreach: bool) -> int:
 
 
 def _layout(p: ParamInfo, world: int, rank: int) -> tuple[int, int, int]:
-    """(chunk, local_rows, rest) of ``p`` split over ``world`` ranks (``ShardLayout``)."""
+    """(chunk, local_rows, rest) of ``p`` split over ``world`` ranks (``ShardLayout``); a
+    kept-whole parameter holds every row on every rank."""
     d0, rest = p.rows_rest()
+    if p.kept:
+        return d0, d0, rest
     split = split_rows(d0, world, rank)
     return split.chunk, split.rows, rest
 
@@ -251,8 +266,11 @@ def simulate(
 
     def whole(i: int) -> bool:
         # storage.WholeShard: one shard rank, plain, in its own dtype, on the device: forward
-        # uses the shard's storage, nothing is gathered or held besides it.
+        # uses the shard's storage, nothing is gathered or held besides it. A kept-whole
+        # parameter is never gathered either (its compute copy is counted once, up front).
         p = params[i]
+        if p.kept:
+            return True
         plain = p.wire_bytes_per_row is None
         return world == 1 and plain and p.compute_itemsize == p.orig_itemsize and not offload
 
@@ -275,6 +293,7 @@ def simulate(
         return sum(
             _layout(params[i], n, rank % n)[1] * lay[i][2] * params[i].compute_itemsize
             for i in groups[g].params
+            if not params[i].kept
         )
 
     def piece_gather_bytes(g: int, n: int) -> int:
@@ -282,23 +301,42 @@ def simulate(
         return sum(
             n * _layout(params[i], n, 0)[0] * lay[i][2] * params[i].compute_itemsize
             for i in groups[g].params
+            if not params[i].kept
         )
 
-    # Persistent: shards, optimizer state, inputs and buffers.
-    shards = sum(local_bytes(i) for i in range(len(params)))
+    # Persistent: shards, optimizer state, inputs and buffers. Kept-whole parameters stay on
+    # the device under offload (persist.py: local lives on the compute device), with their
+    # state, and their compute-dtype copy lives from the first step's unshard on.
+    kept = [i for i, p in enumerate(params) if p.kept]
+    shards = sum(local_bytes(i) for i in range(len(params)) if i not in kept)
     opt = sum(
-        model.optimizer_state(lay[i][1] * lay[i][2], params[i].orig_itemsize) for i in with_grad
+        model.optimizer_state(lay[i][1] * lay[i][2], params[i].orig_itemsize)
+        for i in with_grad
+        if i not in kept
     )
     if offload:
         led.add_host(shards + opt)
     else:
         led.add("parameters", shards)
         led.add("optimizer", opt)
+    kept_opt = sum(
+        model.optimizer_state(lay[i][1] * lay[i][2], params[i].orig_itemsize)
+        for i in with_grad
+        if i in kept
+    )
+    casts = sum(
+        padded(i) * params[i].compute_itemsize
+        for i in kept
+        if params[i].compute_itemsize != params[i].orig_itemsize
+    )
+    led.add("parameters", sum(local_bytes(i) for i in kept) + casts)
+    led.add("optimizer", kept_opt)
     led.add("inputs and buffers", model.plain.input_bytes + model.buffer_bytes)
 
     # (g, in, out, aliased grad, copied grads, host grads): what each pending reduce holds
     reducing: list[tuple[int, int, int, int, int, int]] = []
     grads_live = [0] * ng
+    pending: list[int] = []  # kept-whole parameters whose gradient awaits the all-reduce
     forward_order: list[int] = []
     post_forward_order: list[int] = []
     for item in model.plain.items:
@@ -434,8 +472,31 @@ def simulate(
         members = [m for m in run if m in kept]
         send(members, [i for m in members for i in kept[m]])
 
+    def keep_grads(g: int) -> None:
+        """group._keep_persistent_grads: the gradients become the pending sums (the same
+        tensors: they are in the reduce dtype already), out of the group's packing."""
+        mine = [i for i in groups[g].params if params[i].kept and i in with_grad]
+        grads_live[g] -= sum(padded(i) * params[i].reduce_itemsize for i in mine)
+        pending.extend(mine)
+
+    def all_reduce_kept() -> None:
+        """persist.all_reduce_kept_whole: one flat buffer of every pending sum, the sums
+        alive until it returns; ``.grad`` views the buffer or is a copy out of it."""
+        if not pending:
+            return
+        held = sum(padded(i) * params[i].reduce_itemsize for i in pending)
+        led.add("reduce buffers", held)
+        copies = [i for i in pending if params[i].orig_itemsize != params[i].reduce_itemsize]
+        led.add("gradients", sum(map(local_bytes, copies)))
+        led.add("unsharded gradients", -held)
+        led.add("reduce buffers", -held)
+        if len(copies) < len(pending):  # a view of the buffer keeps all of it
+            led.add("gradients", held)
+        pending.clear()
+
     def reduce_grads(g: int) -> None:
-        packed = [i for i in groups[g].params if i in with_grad]
+        keep_grads(g)
+        packed = [i for i in groups[g].params if i in with_grad and not params[i].kept]
         run = runs.of("reduce", g)
         if run is None:
             send([g], packed)
@@ -529,6 +590,7 @@ def simulate(
                     post_backward(s)
             for run in list(parked):  # Buckets.flush: runs whose last group did not come
                 issue(run)
+            all_reduce_kept()
             while reducing:
                 finish_reduce(reducing.pop(0))
             for s in range(ng):
