@@ -450,17 +450,25 @@ def _ensure_accumulator(group: ParamGroup, plan: GroupDescription) -> None:
     numel = plan.world * sum(
         p.padded_numel for p, sp in zip(plan.slots, group.params, strict=True) if sp.requires_grad
     )
-    acc = group.graph_grads
-    if acc is None or acc.numel() != numel or acc.dtype != plan.reduce_dtype:
-        if acc is not None and acc.grad is not None:
-            raise FullyShardStateError(
-                f"group {group.label!r}: the trainable parameters changed while compiled "
-                "backward passes with gradient sync off had kept gradients; run a backward "
-                "with sync on first"
-            )
-        group.graph_grads = torch.zeros(
-            numel, dtype=plan.reduce_dtype, device=group.info.device, requires_grad=True
+    group.graph_grads = _fitting_accumulator(
+        group, group.graph_grads, numel, plan.reduce_dtype, "parameters"
+    )
+
+
+def _fitting_accumulator(
+    group: ParamGroup, acc: torch.Tensor | None, numel: int, dtype: torch.dtype, what: str
+) -> torch.Tensor:
+    """``acc`` while it still holds ``numel`` elements of ``dtype``, else a new zero leaf; a
+    kept unreduced sum of another layout cannot be carried over, so that raises."""
+    if acc is not None and acc.numel() == numel and acc.dtype == dtype:
+        return acc
+    if acc is not None and acc.grad is not None:
+        raise FullyShardStateError(
+            f"group {group.label!r}: the trainable {what} changed while compiled backward "
+            "passes with gradient sync off had kept gradients; run a backward with sync on "
+            "first"
         )
+    return torch.zeros(numel, dtype=dtype, device=group.info.device, requires_grad=True)
 
 
 @assume_constant_result
@@ -608,17 +616,9 @@ def _kept_plan_for(group: ParamGroup, *guarded: Any) -> _KeptPlan:
     )
     if not plan.sync:
         numel = sum(pp.local.numel() for pp in persistent if pp.requires_grad)
-        acc = group.graph_kept_grads
-        if acc is None or acc.numel() != numel or acc.dtype != plan.reduce_dtype:
-            if acc is not None and acc.grad is not None:
-                raise FullyShardStateError(
-                    f"group {group.label!r}: the trainable kept-whole parameters changed while "
-                    "compiled backward passes with gradient sync off had kept gradients; run a "
-                    "backward with sync on first"
-                )
-            group.graph_kept_grads = torch.zeros(
-                numel, dtype=plan.reduce_dtype, device=group.info.device, requires_grad=True
-            )
+        group.graph_kept_grads = _fitting_accumulator(
+            group, group.graph_kept_grads, numel, plan.reduce_dtype, "kept-whole parameters"
+        )
     return plan
 
 
