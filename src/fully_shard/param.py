@@ -87,6 +87,26 @@ def _as_dtensor(t: torch.Tensor, fqn: str) -> DTensor:
     return t
 
 
+def module_parameter(
+    slots: list[tuple[nn.Module, str]], ours: nn.Parameter, requires_grad: bool
+) -> nn.Parameter:
+    """The sharded parameter the module holds now: ``Module._apply`` (``to()``,
+    ``to_empty()``) either swaps the tensor inside ``ours`` or puts a new DTensor in the
+    module's slot, which becomes ours (a bare DTensor wrapped as a parameter).
+
+    Example:
+        >>> p.sharded_param = module_parameter(p.slots, p.sharded_param, True)  # doctest: +SKIP
+    """
+    module, name = slots[0]
+    current: object = module._parameters[name]
+    # cast: a Parameter can wrap a DTensor, which mypy cannot see
+    if not isinstance(current, DTensor) or current is cast(object, ours):
+        return ours
+    if not isinstance(current, nn.Parameter):
+        current = nn.Parameter(current, requires_grad=requires_grad)
+    return current
+
+
 class ShardedParam:
     """One managed parameter: how it is split, where its pieces live, which one is registered.
 
@@ -243,13 +263,7 @@ class ShardedParam:
         piece is dropped: it has the old dtype and device.
         """
         self.drop_post_forward()
-        module, name = self.slots[0]
-        current: object = module._parameters[name]
-        # cast: a Parameter can wrap a DTensor, which mypy cannot see
-        if isinstance(current, DTensor) and current is not cast(object, self.sharded_param):
-            if not isinstance(current, nn.Parameter):
-                current = nn.Parameter(current, requires_grad=self.requires_grad)
-            self.sharded_param = current
+        self.sharded_param = module_parameter(self.slots, self.sharded_param, self.requires_grad)
         with torch.no_grad():
             local = _as_dtensor(self.sharded_param, self.fqn).to_local()
             if self.shard_device.type == "cpu" and local.device.type not in ("cpu", "meta"):

@@ -61,6 +61,7 @@ from ._compat import (
 from .collectives import SUM, comm_key, divide_
 from .mesh import MeshInfo, contiguous_stride
 from .observer import CollectiveCall, issue_observed
+from .param import module_parameter
 from .policies import MixedPrecisionPolicy
 from .spmd import TPLayout
 
@@ -208,12 +209,7 @@ class PersistentParam:
 
     def sync_with_module(self) -> None:
         """Adopt a parameter ``Module._apply`` replaced (``to_empty()``, ``to(dtype)``)."""
-        module, name = self.slots[0]
-        current: object = module._parameters[name]
-        if isinstance(current, DTensor) and current is not cast(object, self.sharded_param):
-            if not isinstance(current, nn.Parameter):
-                current = nn.Parameter(current, requires_grad=self.requires_grad)
-            self.sharded_param = current
+        self.sharded_param = module_parameter(self.slots, self.sharded_param, self.requires_grad)
         self._local = self._own_local()
         if self.graph_local is not None:  # a compiled graph reads the new tensor
             self.graph_local = None
