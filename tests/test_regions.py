@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import tempfile
 from collections import Counter
 from typing import Any
 
@@ -258,14 +259,24 @@ def _second_instance() -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
     hits = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        model = _Stack()
-        _shard(model)
-        run = torch.compile(model, fullgraph=True)
-        tokens, targets = _batch(0)
-        loss_fn(run(tokens), targets).backward()
-        hits.append(counters["inductor"]["fxgraph_cache_hit"])
+    # An empty inductor cache (read from the environment at each lookup): a run before this
+    # one, in this process or another, must not have left these graphs on disk.
+    was = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="second_instance_")
+    try:
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = _Stack()
+            _shard(model)
+            run = torch.compile(model, fullgraph=True)
+            tokens, targets = _batch(0)
+            loss_fn(run(tokens), targets).backward()
+            hits.append(counters["inductor"]["fxgraph_cache_hit"])
+    finally:
+        if was is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = was
     return {"hits": hits}
 
 
