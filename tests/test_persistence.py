@@ -45,6 +45,7 @@ from fully_shard import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from fully_shard.trace import Recorder
 from harness import device_mesh, mesh_1d, run_distributed
 from models import ModelArgs, Transformer
 from parity import (
@@ -274,10 +275,13 @@ def _twin_mixed_precision() -> dict[str, Any]:
         tokens, targets = make_token_batch(4, torch.Generator().manual_seed(step))
         tokens, targets = tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]
         for model, optim in zip(models, optims, strict=True):
-            out = model(tokens)
-            if "compute" not in seen:  # the root stays gathered: what forward computed with
-                seen["compute"] = model.norm.weight.dtype
-            loss_fn(out, targets).backward()
+            with Recorder(model) as recorder:
+                out = model(tokens)
+                if "compute" not in seen:  # the root stays gathered: what forward computed with
+                    seen["compute"] = model.norm.weight.dtype
+                loss_fn(out, targets).backward()
+            if step == 0:
+                seen.setdefault("traced", []).append(recorder.recording())
             optim.step()
             optim.zero_grad()
     whole = models[1].get_parameter("norm.weight")
@@ -292,6 +296,17 @@ def test_mixed_precision_computes_in_param_dtype_and_trains_like_sharded() -> No
         assert seen["diff"] < 1e-5
         assert seen["kept"] == ((Replicate(),), torch.float32)
         assert seen["compute"] == torch.bfloat16
+        # A replica holds every parameter whole, kept whole or not: the same bytes either way
+        # (no padding at W = 2 here); the kept-whole ones are alive at every sample (bf16).
+        # The recorders were made before the first forward: the compute dtype counts anyway.
+        sharded, kept = seen["traced"]
+        assert kept.replica_bytes == sharded.replica_bytes
+        kept_bytes = (16 * 5 + 32) * 2  # 2 x 2 block norms, the final norm, the head's bias
+        assert sharded.memory[0].unsharded_bytes == 0
+        assert kept.memory[0].unsharded_bytes == kept.memory[-1].unsharded_bytes == kept_bytes
+        # At the peak (the root and one block gathered) the other block's kept-whole bytes
+        # are alive too: the price of keeping them whole.
+        assert kept.peak_unsharded_bytes() == sharded.peak_unsharded_bytes() + (16 + 16) * 2
 
 
 def _twin_divide_factor() -> float:

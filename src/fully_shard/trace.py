@@ -137,7 +137,8 @@ class Recording:
         events: every :class:`TraceEvent`, ordered by start time.
         memory: the memory timeline, in time order.
         replica_bytes: the unsharded bytes of every group at once: what a rank would hold
-            without sharding (the padded storage, in the compute dtype).
+            without sharding (the padded storage, in the compute dtype), parameters kept
+            whole (``param_persistence_threshold``) included.
 
     Example:
         >>> rec = Recording(0, ("root",), (), (), replica_bytes=0)
@@ -156,13 +157,28 @@ class Recording:
         return [e for e in self.events if e.kind == kind and (group is None or e.group == group)]
 
     def peak_unsharded_bytes(self) -> int:
-        """The most unsharded parameter bytes alive at any sample (0 if none)."""
+        """The most unsharded parameter bytes alive at any sample (0 if none), the parameters
+        kept whole included: they are alive at every sample."""
         return max((m.unsharded_bytes for m in self.memory), default=0)
 
 
 def _unsharded_nbytes(group: ParamGroup) -> list[int]:
     # The padded storage (W * c rows), in the compute dtype: what alloc_storage allocates.
-    return [p.padded_full_size.numel() * p.compute_dtype.itemsize for p in group.params]
+    # The policy's answer, not ShardedParam.compute_dtype, which is set at the first gather
+    # and would count a recorder made before the first forward in the original dtype.
+    return [
+        p.padded_full_size.numel() * p.mp_policy.compute_dtype(p.orig_dtype).itemsize
+        for p in group.params
+    ]
+
+
+def _kept_nbytes(group: ParamGroup) -> int:
+    # Parameters kept whole are held unsharded at every moment; counted in the compute dtype
+    # (under a param_dtype the module computes with a cast copy), as sharded ones are.
+    return sum(
+        pp.local.numel() * pp.mp_policy.compute_dtype(pp.local.dtype).itemsize
+        for pp in group.persistent
+    )
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -189,6 +205,7 @@ class _Attached:
     group: ParamGroup
     label: str
     param_nbytes: list[int]
+    kept_nbytes: int = 0
 
 
 class Recorder:
@@ -212,7 +229,9 @@ class Recorder:
         for base, state in _states(module):
             for group, label in zip(state.groups, group_labels(base, state.groups), strict=True):
                 if id(group) not in self._attached:
-                    self._attached[id(group)] = _Attached(group, label, _unsharded_nbytes(group))
+                    self._attached[id(group)] = _Attached(
+                        group, label, _unsharded_nbytes(group), _kept_nbytes(group)
+                    )
         if not self._attached:
             raise FullyShardValueError(
                 f"trace.record() found no fully_shard group in {type(module).__name__}: "
@@ -320,6 +339,7 @@ class Recorder:
     def _sample(self) -> None:
         alive = 0
         for a in self._attached.values():
+            alive += a.kept_nbytes
             for p, nbytes in zip(a.group.params, a.param_nbytes, strict=True):
                 if p.storage_allocated():
                     alive += nbytes
@@ -339,7 +359,7 @@ class Recorder:
             groups=tuple(a.label for a in self._attached.values()),
             events=tuple(sorted(self.events, key=lambda e: (e.start_ns, -e.end_ns))),
             memory=tuple(sorted(self.memory, key=lambda m: m.time_ns)),
-            replica_bytes=sum(sum(a.param_nbytes) for a in self._attached.values()),
+            replica_bytes=sum(sum(a.param_nbytes) + a.kept_nbytes for a in self._attached.values()),
         )
 
 
