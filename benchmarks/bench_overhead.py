@@ -17,7 +17,12 @@ rank, ``torch.optim.SGD(foreach=True)``. One step is forward, an MSE loss, backw
   one reduce-scatter per bucket with the cap. The warm-up steps compile (untimed); the others
   stay eager;
 * ``plain`` (W = 1) -- the model itself, no wrapper: the floor;
-* ``ddp`` (W >= 2) -- ``DistributedDataParallel``: the floor with gradient synchronisation.
+* ``ddp`` (W >= 2) -- ``DistributedDataParallel``: the floor with gradient synchronisation;
+* ``hooks`` (``--impls ...,hooks``) -- the floor (plain or DDP) with, on every block, the
+  skeleton any per-module-hook design runs and nothing else: a forward pre-hook passing the
+  input through an identity ``autograd.Function`` (where a post-backward would run), and a
+  forward hook registering an empty tensor hook on the output (a pre-backward). What a step of
+  ``ours`` costs over it is our work; what it costs over the floor, no hook design avoids.
 
 The compute is a few microseconds per block, so what a step costs over the floor is the
 wrapper's fixed cost per group: hooks, state checks, buffers, DTensor dispatch in the optimizer.
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import itertools
 import json
@@ -86,13 +92,14 @@ from torch.nn.parallel import DistributedDataParallel
 import fully_shard as fs
 from fully_shard.demo import leave_rank
 
-IMPLS = ("ours", "ours-buckets", "fsdp2", "plain", "ddp")
+IMPLS = ("ours", "ours-buckets", "fsdp2", "plain", "ddp", "hooks")
 LABELS = {
     "ours": "fully_shard (ours)",
     "ours-buckets": "ours, buckets",
     "fsdp2": "torch fully_shard",
     "plain": "plain model",
     "ddp": "torch DDP",
+    "hooks": "floor + empty hooks",
 }
 WIDTH = 16  # nn.Linear(16, 16): the issue's block
 PHASES = ("forward", "backward", "step", "zero_grad")
@@ -144,9 +151,44 @@ def build(impl: str, opts: RunOptions, mesh: DeviceMesh) -> tuple[nn.Module, tor
             return compiled, torch.optim.SGD(model.parameters(), lr=opts.lr, foreach=True)  # type: ignore[return-value]
     elif impl == "ddp":
         model = DistributedDataParallel(model)
+    elif impl == "hooks":
+        for block in model:
+            block.register_forward_pre_hook(_skeleton_pre_forward)
+            block.register_forward_hook(_skeleton_post_forward)
+        if opts.world > 1:
+            model = DistributedDataParallel(model)
     elif impl != "plain":
         raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
     return model, torch.optim.SGD(model.parameters(), lr=opts.lr, foreach=True)
+
+
+class _Identity(torch.autograd.Function):
+    """The node a post-backward hook runs from (its backward), doing nothing else."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _skeleton_pre_forward(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    x = args[0]
+    if torch.is_grad_enabled() and x.requires_grad:
+        return (_Identity.apply(x),)
+    return None
+
+
+def _skeleton_post_forward(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+    if output.requires_grad:
+        output.register_hook(functools.partial(_skeleton_pre_backward, module))
+    return output
+
+
+def _skeleton_pre_backward(module: nn.Module, grad: Tensor) -> None:
+    return None
 
 
 def train_step(
@@ -267,22 +309,25 @@ def _time_interleaved(
     opts: RunOptions, runs: dict[str, tuple[nn.Module, torch.optim.Optimizer]], data: list[Any]
 ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
     """Warm-up, then rotating rounds; per impl the ``[total, *PHASES]`` seconds of each timed
-    step and the loss of every step (batch k at every impl's k-th step)."""
+    step, its main thread's CPU seconds, and the loss of every step (batch k at every impl's
+    k-th step)."""
     times: dict[str, list[list[float]]] = {impl: [] for impl in opts.impls}
+    cpu: dict[str, list[float]] = {impl: [] for impl in opts.impls}
     losses: dict[str, list[float]] = {impl: [] for impl in opts.impls}
 
     def one_step(impl: str, timed: bool) -> None:
         model, optim = runs[impl]
         marks: list[float] = []
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         batch = data[len(losses[impl])]
         loss = train_step(model, optim, batch, lambda: marks.append(time.perf_counter()))
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.thread_time()
         losses[impl].append(loss)
         if timed:
             edges = [t0, *marks, t4]
             times[impl].append([t4 - t0, *(b - a for a, b in itertools.pairwise(edges))])
+            cpu[impl].append(c4 - c0)
 
     for _ in range(opts.warmup):
         for impl in opts.impls:
@@ -294,7 +339,7 @@ def _time_interleaved(
             for _ in range(min(opts.round_steps, opts.steps - len(times[impl]))):
                 one_step(impl, timed=True)
         r += 1
-    return times, losses
+    return times, cpu, losses
 
 
 def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
@@ -303,7 +348,7 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
     try:
         data = _batches(opts, rank, opts.warmup + opts.steps + 2)
         runs = {impl: build(impl, opts, job.mesh) for impl in opts.impls}
-        times, losses = _time_interleaved(opts, runs, data)
+        times, cpu, losses = _time_interleaved(opts, runs, data)
         calls = {}
         for impl in opts.impls:  # the step after the timed ones, on every rank alike
             model, optim = runs[impl]
@@ -313,7 +358,7 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
         for impl in ("ours", "ours-buckets") if opts.profile else ():
             if impl in runs:
                 profile += f"{impl}:\n" + profile_step(*runs[impl], data[-1], opts.profile)
-        result = {"rank": rank, "times": times, "losses": losses, "calls": calls}
+        result = {"rank": rank, "times": times, "cpu": cpu, "losses": losses, "calls": calls}
         result["profile"] = profile
         gathered: list[Any] = [None] * opts.world
         dist.all_gather_object(gathered, result)
@@ -348,6 +393,11 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 "p75": _percentile(ms, 0.75),
                 "all": ms,
             },
+            # The main thread's CPU time (time.thread_time): the host work of a step, what
+            # another process's load moves least; gloo's own threads are not in it.
+            "cpu_ms_median": statistics.median(
+                statistics.fmean(r["cpu"][impl][i] for r in ranks) * 1e3 for i in range(opts.steps)
+            ),
             "phase_ms_median": {
                 name: statistics.median(t[k] * 1e3 for t in per_step)
                 for k, name in enumerate(PHASES, start=1)
@@ -368,7 +418,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
             )
     ratios = {}
     pairs = [("ours", floor), ("fsdp2", floor), ("ours", "fsdp2")]
-    pairs += [("ours-buckets", floor), ("ours-buckets", "ours")]
+    pairs += [("ours-buckets", floor), ("ours-buckets", "ours"), ("hooks", floor)]
     for mine, other in pairs:
         if mine in impls and other in impls:
             ratios[f"{mine}/{other}"] = {
@@ -378,6 +428,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 / impls[other]["calls_per_step"]["py"],
                 "step_calls": impls[mine]["calls_per_step"]["phases"]["step"]["py"]
                 / impls[other]["calls_per_step"]["phases"]["step"]["py"],
+                "cpu_median": impls[mine]["cpu_ms_median"] / impls[other]["cpu_ms_median"],
             }
     return {
         "config": {**asdict(opts), "impls": list(opts.impls), "groups": groups},
@@ -432,10 +483,15 @@ def print_report(s: dict[str, Any], load: tuple[float, float]) -> None:
         )
         + "  (" + " / ".join(PHASES) + ")"
     )  # fmt: skip
+    print(
+        "main thread's CPU ms per step (median, mean of ranks): "
+        + ", ".join(f"{LABELS[impl]} {r['cpu_ms_median']:.2f}" for impl, r in s["impls"].items())
+    )
     for name, r in s["ratios"].items():
         print(
-            f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, Python calls per "
-            f"step {r['calls_per_step']:.2f}x, in optimizer.step() {r['step_calls']:.2f}x"
+            f"ratio {name}: step time (median) {r['step_time_median']:.2f}x, main-thread CPU "
+            f"{r['cpu_median']:.2f}x, Python calls per step {r['calls_per_step']:.2f}x, in "
+            f"optimizer.step() {r['step_calls']:.2f}x"
         )
     for impl, r in s["impls"].items():
         journey = r["calls_per_step"]["journey"]
@@ -462,7 +518,8 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
     parser.add_argument(
         "--impls",
         default="ours,fsdp2,floor",
-        help="comma-separated subset of ours,fsdp2,floor (floor: plain at W=1, DDP above)",
+        help="comma-separated subset of ours,fsdp2,floor,hooks (floor: plain at W=1, DDP above; "
+        "hooks: the floor with an empty hook skeleton on every block)",
     )
     parser.add_argument(
         "--bucket-cap-mb",
@@ -496,8 +553,10 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
     if not worlds or min(worlds) < 1:
         parser.error("--nproc: each world size must be at least 1")
     names = [x.strip() for x in args.impls.split(",") if x.strip()]
-    if not names or len(set(names)) != len(names) or set(names) - {"ours", "fsdp2", "floor"}:
-        parser.error(f"--impls takes distinct names from ours,fsdp2,floor, got {args.impls!r}")
+    known = {"ours", "fsdp2", "floor", "hooks"}
+    if not names or len(set(names)) != len(names) or set(names) - known:
+        names_ok = ",".join(sorted(known))
+        parser.error(f"--impls takes distinct names from {names_ok}, got {args.impls!r}")
     if args.blocks < 1 or args.batch < 1 or args.steps < 1 or args.round_steps < 1:
         parser.error("--blocks, --batch, --steps and --round-steps must be >= 1")
     if args.warmup < 0 or args.profile < 0:
