@@ -379,6 +379,54 @@ def test_forward_sees_plain_full_tensors_outside_dtensors() -> None:
     run_distributed(_sees_plain_tensors, 2)
 
 
+def _own_call_or_module_call() -> None:
+    """A sharded module whose only hooks are ours is called by ``FSDPModule.__call__`` itself,
+    not through ``nn.Module._call_impl``; any other hook (its own, a global one) sends it back
+    through ``_call_impl``, in torch's order: our pre-hook first, then the user's."""
+    model, replica, _ = _setup()
+    impl_calls: list[str] = []
+    original = nn.Module._call_impl
+
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self, FSDPModule):
+            impl_calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    seen: list[tuple[str, bool]] = []
+    nn.Module._call_impl = counting  # type: ignore[method-assign]
+    try:
+        for step in range(3):
+            handles = []
+            if step == 1:  # the block's own hooks, after ours
+                block = model.layers[1]
+                handles.append(
+                    block.register_forward_pre_hook(
+                        lambda m, a: seen.append(("pre", isinstance(m.linear.weight, DTensor)))
+                    )
+                )
+                handles.append(
+                    block.register_forward_hook(lambda m, a, o: seen.append(("post", True)))
+                )
+            if step == 2:  # a global hook reaches every module
+                handles.append(nn.modules.module.register_module_forward_hook(lambda m, a, o: None))
+            gx, x = _batch(step)
+            _loss(model(x)).backward()
+            _loss(replica(gx)).backward()
+            _assert_grads(model, replica)  # both accumulate: never cleared
+            for h in handles:
+                h.remove()
+            through = [[], ["FSDPMLPBlock"], ["FSDPNet"] + ["FSDPMLPBlock"] * len(model.layers)]
+            _expect(f"step {step}: modules through _call_impl", impl_calls, through[step])
+            impl_calls.clear()
+    finally:
+        nn.Module._call_impl = original  # type: ignore[method-assign]
+    _expect("the block's own hooks", seen, [("pre", False), ("post", True)])
+
+
+def test_a_module_with_only_our_hooks_skips_module_call_impl() -> None:
+    run_distributed(_own_call_or_module_call, 2)
+
+
 # -- reshard_after_forward ----------------------------------------------------------------------
 
 

@@ -359,6 +359,9 @@ class FSDPState:
         self.unfinalized = False
         self.it = _Iteration()
         self._module_hooks: list[Any] = []
+        # id(module) -> the ids of the forward pre-hook and forward hook installed on it:
+        # while they are its only hooks, FSDPModule.__call__ calls them itself.
+        self.hook_ids: dict[int, tuple[int, int]] = {}
         # Explicit prefetch targets (None: the recorded order decides).
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
@@ -420,10 +423,10 @@ class FSDPState:
         pre_forward = keep_out_of_graphs(self.pre_forward)
         post_forward = keep_out_of_graphs(self.post_forward)
         for module in self.modules:
-            self._module_hooks.append(
-                module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
-            )
-            self._module_hooks.append(module.register_forward_hook(post_forward, with_kwargs=True))
+            pre = module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            post = module.register_forward_hook(post_forward, with_kwargs=True)
+            self._module_hooks += [pre, post]
+            self.hook_ids[id(module)] = (pre.id, post.id)
 
     @property
     def reshard_after_forward(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._compat import calls_only_these_hooks
 from .bucket import cap_bytes
 from .collectives import Comm, is_comm_protocol
 from .errors import (
@@ -107,12 +108,22 @@ class FSDPModule(nn.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Where the two runtimes part. Inside a frame dynamo traces from the root down
         # (torch.compile(model)), the graph path (graph.py): the whole step in one graph.
-        # Everywhere else nn.Module.__call__ with the eager hooks, as before; a block compiled
-        # on its own still runs them outside its compiled code. A frame of ours also makes
+        # Everywhere else the eager hooks, called here while they are the module's only hooks
+        # and through nn.Module.__call__ otherwise; a block compiled on its own still runs them
+        # outside its compiled code. A frame of ours also makes
         # torch.compile(model) trace the root's hooks in the same frame as its forward
         # (dynamo would otherwise start inside torch.nn, each hook a frame of its own).
-        if torch.compiler.is_compiling() and takes_graph_path(self._fsdp_state):
-            return graph_call(self, self._fsdp_state, args, kwargs)
+        state = self._fsdp_state
+        if torch.compiler.is_compiling():
+            if takes_graph_path(state):
+                return graph_call(self, state, args, kwargs)
+            return super().__call__(*args, **kwargs)
+        ids = state.hook_ids.get(id(self))
+        if ids is not None and calls_only_these_hooks(self, *ids):
+            # Our two hooks around forward, called as nn.Module.__call__ would, minus its
+            # slow path's cost (calls_only_these_hooks says when nothing else would run).
+            args, kwargs = state.pre_forward(self, args, kwargs)
+            return state.post_forward(self, args, kwargs, self.forward(*args, **kwargs))
         return super().__call__(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FSDPModule:
