@@ -19,6 +19,11 @@ builds the same model from the same seed once per implementation:
 * ``fsdp2-compiled`` -- torchtitan's order for torch's FSDP2: each block
   ``torch.compile(block, fullgraph=True)``, then ``fully_shard`` on the compiled blocks and the
   root (the hooks run eagerly between the blocks' graphs);
+* ``ours-buckets`` -- ours with ``set_bucket_cap_mb(--bucket-cap-mb)``: the groups'
+  collectives merged into buckets; ``ours-zero2`` the same with ``reshard_after_forward=False``
+  on every block: the parameters stay gathered from forward to backward, so a step moves one
+  all-gather and one reduce-scatter per bucket, DDP's bytes (ZeRO-2's traffic, ZeRO-3's
+  sharded optimizer state);
 * ``ddp-compiled`` -- DDP, then ``torch.compile(model)``;
   the three compiled ones use ``--compile-backend`` (default inductor) and report the time of
   their first step (the compilation) separately;
@@ -94,9 +99,18 @@ IMPLS = (
     "fsdp2-compiled",
     "ddp-compiled",
     "ours-buckets",
+    "ours-zero2",
 )
 DEFAULT_IMPLS = IMPLS[:4]
-OURS = ("ours", "ours-int8", "ours-nogather", "ours-graph", "ours-graph-reorder", "ours-buckets")
+OURS = (
+    "ours",
+    "ours-int8",
+    "ours-nogather",
+    "ours-graph",
+    "ours-graph-reorder",
+    "ours-buckets",
+    "ours-zero2",
+)
 ZERO3 = (*OURS, "fsdp2", "fsdp2-compiled")
 # Compiled with torch.compile (--compile-backend): their collectives are in the compiled code,
 # where no Comm can count them, so their bytes are not measured.
@@ -124,6 +138,7 @@ LABELS = {
     "fsdp2-compiled": "FSDP2, blocks comp.",
     "ddp-compiled": "DDP, compiled",
     "ours-buckets": "ours, buckets",
+    "ours-zero2": "ours, buckets, kept",
 }
 MIB = 1024 * 1024
 _STEP_MARK = "bench::measured_step"  # the profiler range around the step whose memory counts
@@ -411,7 +426,10 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
             if impl == "fsdp2-compiled":  # torchtitan's order: compile each block, then shard
                 block = torch.compile(block, backend=compile_backend, fullgraph=True)
                 model.layers[i] = block
-            shard(block, mesh=ctx.mesh)
+            if impl == "ours-zero2":  # gathered from forward to backward: ZeRO-2's traffic
+                shard(block, mesh=ctx.mesh, reshard_after_forward=False)
+            else:
+                shard(block, mesh=ctx.mesh)
         if ctx.opts.wrap == "head":
             # Backward starts at the head: keeping it gathered from forward costs no extra
             # gather, and as its own group its gradients go out first instead of waiting for
@@ -420,7 +438,7 @@ def build(impl: str, ctx: RankContext) -> tuple[nn.Module, torch.optim.Optimizer
         shard(model, mesh=ctx.mesh)
         if impl == "ours-nogather":
             model.set_comm(NoGatherComm())  # type: ignore[operator]
-        if impl == "ours-buckets":
+        if impl in ("ours-buckets", "ours-zero2"):
             model.set_bucket_cap_mb(ctx.opts.bucket_cap_mb)  # type: ignore[operator]
         optim = _adamw(model, ctx)
         if impl == "ours-graph":
@@ -949,7 +967,7 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]], ref: list[float]) -
             "max_abs_loss_diff_vs_ref": max(abs(a - b) for a, b in zip(losses, ref, strict=True)),
             "losses": losses,
         }
-        if impl in ZERO3 and impl not in COMPILED:
+        if impl in ZERO3 and impl not in COMPILED and impl != "ours-zero2":  # ZeRO-3's bytes
             ag_theory = theory["all_gather_int8" if impl == "ours-int8" else "all_gather"]
             rec["measured_over_theory"] = {
                 "all_gather": _over(comm_bytes.get("all_gather", 0), ag_theory),
@@ -1144,7 +1162,7 @@ def parse_args(argv: list[str] | None) -> tuple[RunOptions, Path | None]:
         "--bucket-cap-mb",
         type=float,
         default=25.0,
-        help="ours-buckets: set_bucket_cap_mb, MiB per bucket (default 25, DDP's)",
+        help="ours-buckets, ours-zero2: set_bucket_cap_mb, MiB per bucket (default 25, DDP's)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)

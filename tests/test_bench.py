@@ -136,7 +136,8 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(
     blocks = wrap == "blocks"
     floor = ["ours-nogather"] if blocks else []
     ddp = ["ddp"] if blocks else []
-    names = ["ours", "ours-int8", "fsdp2", *ddp, *floor]
+    zero2 = [] if blocks else ["ours-zero2"]
+    names = ["ours", "ours-int8", "fsdp2", *ddp, *floor, *zero2]
     stdout = _run(
         "bench_train", "--size", "tiny", "--nproc", "2", "--wrap", wrap, "--steps", "3",
         "--warmup", "1", "--impls", ",".join(names), "--json-out", str(out),
@@ -160,6 +161,11 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(
             "reduce_scatter": theory["reduce_scatter_calls"],
         }, name
         assert r["comm_bytes_per_rank_equal"], name
+    if zero2:  # one bucket (25 MiB), gathered once: each rank's shards out, the gradients in
+        r = impls["ours-zero2"]
+        assert r["comm_calls_per_step"] == {"all_gather": 1, "reduce_scatter": 1}
+        shards = theory["reduce_scatter"] // 2
+        assert r["comm_bytes_per_step"] == {"all_gather": shards, "reduce_scatter": 2 * shards}
     for name, r in impls.items():
         assert len(r["losses"]) == 1 + 3  # warm-up + timed, every step against the reference
         if name == "ours-int8":  # computes with quantized weights: close, not equal
@@ -179,6 +185,7 @@ def test_bench_tiny_reports_theory_bytes_and_reference_losses(
         "ours-int8/fsdp2",
         *(f"{mine}/ddp" for mine in ("ours", "ours-int8") if ddp),
         *(f"ours-nogather/{other}" for other in ("ours", "fsdp2", *ddp) if floor),
+        *(f"ours-zero2/{other}" for other in ("ours", "fsdp2") if zero2),
     }
     assert "ratio ours-int8/fsdp2: step time (median)" in stdout
     if ddp:
