@@ -10,6 +10,9 @@ rank, ``torch.optim.SGD(foreach=True)``. One step is forward, an MSE loss, backw
   groups (the root's owns no parameter here);
 * ``ours-buckets`` (with ``--bucket-cap-mb``) -- the same, with ``set_bucket_cap_mb``: the
   groups' collectives merged into buckets (:mod:`fully_shard.bucket`);
+* ``ours-zero2`` (with ``--bucket-cap-mb`` and ``--zero2``) -- ``ours-buckets`` with
+  ``reshard_after_forward=False`` on every block: the parameters stay gathered from forward to
+  backward, one all-gather and one reduce-scatter per bucket (ZeRO-2's traffic);
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
 * with ``--compile [BACKEND]`` (``inductor`` if no backend is named), ``ours`` and
   ``ours-buckets`` run ``torch.compile(model, fullgraph=True)`` of the sharded model: the
@@ -94,10 +97,11 @@ from torch.nn.parallel import DistributedDataParallel
 import fully_shard as fs
 from fully_shard.demo import leave_rank
 
-IMPLS = ("ours", "ours-buckets", "fsdp2", "plain", "ddp", "hooks")
+IMPLS = ("ours", "ours-buckets", "ours-zero2", "fsdp2", "plain", "ddp", "hooks")
 LABELS = {
     "ours": "fully_shard (ours)",
     "ours-buckets": "ours, buckets",
+    "ours-zero2": "ours, buckets, kept",
     "fsdp2": "torch fully_shard",
     "plain": "plain model",
     "ddp": "torch DDP",
@@ -140,12 +144,15 @@ def make_model(blocks: int, seed: int) -> nn.Sequential:
 def build(impl: str, opts: RunOptions, mesh: DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model from the run's seed, wrapped by ``impl``, and its SGD."""
     model: nn.Module = make_model(opts.blocks, opts.seed)
-    if impl in ("ours", "ours-buckets", "fsdp2"):
+    if impl in ("ours", "ours-buckets", "ours-zero2", "fsdp2"):
         shard: Callable[..., Any] = torch_fully_shard if impl == "fsdp2" else fs.fully_shard
         for block in model:
-            shard(block, mesh=mesh)
+            if impl == "ours-zero2":
+                shard(block, mesh=mesh, reshard_after_forward=False)
+            else:
+                shard(block, mesh=mesh)
         shard(model, mesh=mesh)
-        if impl == "ours-buckets":
+        if impl in ("ours-buckets", "ours-zero2"):
             model.set_bucket_cap_mb(opts.bucket_cap_mb)  # type: ignore[operator]
         if opts.compile is not None and impl != "fsdp2":
             # The compiled module shares the sharded one's parameters (the optimizer's).
@@ -415,7 +422,8 @@ def summarize(opts: RunOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
             )
     ratios = {}
     pairs = [("ours", floor), ("fsdp2", floor), ("ours", "fsdp2")]
-    pairs += [("ours-buckets", floor), ("ours-buckets", "ours"), ("hooks", floor)]
+    pairs += [("ours-buckets", floor), ("ours-buckets", "ours"), ("ours-zero2", floor)]
+    pairs += [("hooks", floor)]
     for mine, other in pairs:
         if mine in impls and other in impls:
             ratios[f"{mine}/{other}"] = {
@@ -525,6 +533,12 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
         help="also run ours-buckets (next to ours) with set_bucket_cap_mb(this many MiB)",
     )
     parser.add_argument(
+        "--zero2",
+        action="store_true",
+        help="with --bucket-cap-mb: also run ours-zero2 (buckets, every block kept gathered "
+        "from forward to backward)",
+    )
+    parser.add_argument(
         "--compile",
         nargs="?",
         const="inductor",
@@ -562,7 +576,9 @@ def parse_args(argv: list[str] | None) -> tuple[list[RunOptions], Path | None]:
         if not args.bucket_cap_mb > 0:
             parser.error("--bucket-cap-mb must be > 0")
         at = names.index("ours") + 1 if "ours" in names else 0
-        names.insert(at, "ours-buckets")
+        names[at:at] = ["ours-buckets", "ours-zero2"] if args.zero2 else ["ours-buckets"]
+    elif args.zero2:
+        parser.error("--zero2 runs ours-zero2 with the buckets of --bucket-cap-mb: give one")
     runs = [
         RunOptions(
             blocks=args.blocks,

@@ -206,15 +206,15 @@ def test_bench_overhead_counts_calls_and_matches_the_floor(
     out = tmp_path / "overhead.json"
     stdout = _run(
         "bench_overhead", "--blocks", "2", "--nproc", "1,2", "--steps", "2", "--warmup", "1",
-        "--impls", "ours,fsdp2,floor,hooks", "--json-out", str(out), launcher=launcher,
-        monkeypatch=monkeypatch,
+        "--impls", "ours,fsdp2,floor,hooks", "--bucket-cap-mb", "25", "--zero2",
+        "--json-out", str(out), launcher=launcher, monkeypatch=monkeypatch,
     )  # fmt: skip
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"]["world"] for r in runs] == [1, 2]
     for run, floor in zip(runs, ("plain", "ddp"), strict=True):
         assert run["config"]["groups"] == 3  # 2 blocks + the root
         impls = run["impls"]
-        assert set(impls) == {"ours", "fsdp2", floor, "hooks"}
+        assert set(impls) == {"ours", "ours-buckets", "ours-zero2", "fsdp2", floor, "hooks"}
         for name, r in impls.items():
             # Same weights, same batches, same averaged gradients: the floor's losses.
             assert r["max_abs_loss_diff_vs_floor"] < 1e-6, name
@@ -231,6 +231,7 @@ def test_bench_overhead_counts_calls_and_matches_the_floor(
         # The empty skeleton: 2 module hooks and, on grad, a Function and a tensor hook per block.
         assert impls["hooks"]["calls_over_floor_per_group"] > 0
         ratios = {f"ours/{floor}", f"fsdp2/{floor}", "ours/fsdp2", f"hooks/{floor}"}
+        ratios |= {f"ours-buckets/{floor}", "ours-buckets/ours", f"ours-zero2/{floor}"}
         assert set(run["ratios"]) == ratios
         assert f"ratio ours/{floor}: step time (median)" in stdout
 
