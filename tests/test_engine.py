@@ -381,8 +381,9 @@ def test_forward_sees_plain_full_tensors_outside_dtensors() -> None:
 
 def _own_call_or_module_call() -> None:
     """A sharded module whose only hooks are ours is called by ``FSDPModule.__call__`` itself,
-    not through ``nn.Module._call_impl``; any other hook (its own, a global one) sends it back
-    through ``_call_impl``, in torch's order: our pre-hook first, then the user's."""
+    not through ``nn.Module._call_impl``; any other hook (its own, a global one) or a patched
+    ``nn.Module.__call__`` (``torch.fx``'s tracer patches it) sends it back through
+    ``_call_impl``, in torch's order: our pre-hook first, then the user's."""
     model, replica, _ = _setup()
     impl_calls: list[str] = []
     original = nn.Module._call_impl
@@ -393,9 +394,10 @@ def _own_call_or_module_call() -> None:
         return original(self, *args, **kwargs)
 
     seen: list[tuple[str, bool]] = []
+    module_call = nn.Module.__call__
     nn.Module._call_impl = counting  # type: ignore[method-assign]
     try:
-        for step in range(3):
+        for step in range(4):
             handles = []
             if step == 1:  # the block's own hooks, after ours
                 block = model.layers[1]
@@ -409,17 +411,22 @@ def _own_call_or_module_call() -> None:
                 )
             if step == 2:  # a global hook reaches every module
                 handles.append(nn.modules.module.register_module_forward_hook(lambda m, a, o: None))
+            if step == 3:  # as torch.fx patches it while it traces
+                nn.Module.__call__ = lambda self, *a, **k: module_call(self, *a, **k)  # type: ignore[method-assign]
             gx, x = _batch(step)
             _loss(model(x)).backward()
             _loss(replica(gx)).backward()
             _assert_grads(model, replica)  # both accumulate: never cleared
             for h in handles:
                 h.remove()
-            through = [[], ["FSDPMLPBlock"], ["FSDPNet"] + ["FSDPMLPBlock"] * len(model.layers)]
+            nn.Module.__call__ = module_call  # type: ignore[method-assign]
+            every = ["FSDPNet"] + ["FSDPMLPBlock"] * len(model.layers)
+            through = [[], ["FSDPMLPBlock"], every, every]
             _expect(f"step {step}: modules through _call_impl", impl_calls, through[step])
             impl_calls.clear()
     finally:
         nn.Module._call_impl = original  # type: ignore[method-assign]
+        nn.Module.__call__ = module_call  # type: ignore[method-assign]
     _expect("the block's own hooks", seen, [("pre", False), ("post", True)])
 
 

@@ -581,11 +581,16 @@ _has_any_global_hook: Callable[[], Any] = getattr(
 )
 
 
+# nn.Module.__call__ as torch defines it: a tool that patches it (torch.fx's symbolic tracer)
+# must see every call, so a sharded module's call goes through it while it is patched.
+_MODULE_CALL = torch.nn.Module.__call__
+
+
 def calls_only_these_hooks(module: torch.nn.Module, pre_id: int, post_id: int) -> bool:
     """Whether ``nn.Module.__call__`` of ``module`` would run forward pre-hook ``pre_id``
     (with kwargs), ``module.forward`` and forward hook ``post_id`` (with kwargs) and nothing
     else: no other hook of the module, no backward or global module hook, no compiled call
-    (``module.compile()``), no JIT trace.
+    (``module.compile()``), no JIT trace, no patched ``nn.Module.__call__`` (``torch.fx``).
 
     Then ``FSDPModule.__call__`` makes those three calls itself: the same calls in the same
     order, without ``_call_impl``'s slow path, which cost 20 us per module call on the 2-core
@@ -603,6 +608,7 @@ def calls_only_these_hooks(module: torch.nn.Module, pre_id: int, post_id: int) -
         and module.__dict__.get("_compiled_call_impl") is None
         and not _has_any_global_hook()
         and not torch._C._get_tracing_state()
+        and torch.nn.Module.__call__ is _MODULE_CALL
     )
 
 
