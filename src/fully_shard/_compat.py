@@ -21,6 +21,9 @@ gloo, the test suite; each entry says which releases it has run on):
   ``torch_newton_schulz`` falls back to our copy of the arithmetic where torch has no Muon.
 - :func:`forward_hook_ids` and :func:`cache_region_schemas` (the graph path's regions): run
   on 2.13.0 and 2.14.1 (tests/test_regions.py, inductor too).
+- :func:`calls_only_these_hooks` (the eager hooks called without ``nn.Module._call_impl``):
+  run on 2.13.0 and 2.14.1; where ``_has_any_global_hook`` is missing it answers no, and
+  every call takes ``nn.Module.__call__`` as before.
 
 Releases in between have not been run. An entry whose API may be missing falls back (a probe,
 ``getattr``) or raises ``FullyShardNotImplementedError`` naming the torch version; the others
@@ -574,8 +577,8 @@ def forward_hook_ids(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[in
     return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
 
 
-# nn.Module's own test for global module hooks (torch.nn.modules.module, private; present in
-# 2.6.0, 2.13.0 and 2.14.1). Where it is missing, every call takes nn.Module.__call__.
+# nn.Module's own test for global module hooks (torch.nn.modules.module, private; run on
+# 2.13.0 and 2.14.1). Where it is missing, every call takes nn.Module.__call__.
 _has_any_global_hook: Callable[[], Any] = getattr(
     importlib.import_module("torch.nn.modules.module"), "_has_any_global_hook", lambda: True
 )
@@ -595,7 +598,8 @@ def calls_only_these_hooks(module: torch.nn.Module, pre_id: int, post_id: int) -
     Then ``FSDPModule.__call__`` makes those three calls itself: the same calls in the same
     order, without ``_call_impl``'s slow path, which cost 20 us per module call on the 2-core
     CI box (two empty hooks made a ``Linear``'s call 3x dearer). nn.Module keeps its hooks in
-    private dicts, and ``_call_impl`` reads the same ones (2.6.0, 2.13.0, 2.14.1).
+    private dicts, the ones ``_call_impl`` reads (the names since torch 2.0; run on 2.13.0 and
+    2.14.1).
     """
     pre, post = module._forward_pre_hooks, module._forward_hooks
     return (
