@@ -849,7 +849,7 @@ class _RegionInput(torch.autograd.Function):
 
 
 def _owned(x: Any) -> Any:
-    return _RegionInput.apply(x) if isinstance(x, torch.Tensor) else x
+    return _RegionInput.apply(x) if isinstance(x, torch.Tensor) else x  # type: ignore[no-untyped-call]
 
 
 def _owned_output(output: Any) -> Any:
