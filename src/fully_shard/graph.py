@@ -196,8 +196,47 @@ def _pack_grads(
             shape = (p.world, p.padded_numel)
             cols.append(torch.zeros(shape, dtype=plan.reduce_dtype, device=plan.device))
         else:
-            cols.append(_ranked(g.to(plan.reduce_dtype), p))
-    return (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
+            cols.append(_ranked(g, p))
+    return _pack(cols, plan.world, plan.reduce_dtype)
+
+
+def _pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+    """``parts``, each viewed as ``(world, -1)`` and cast to ``dtype``, side by side in one
+    flat ``(world * total,)`` buffer, rank by rank: the gather's input (``world`` 1) and the
+    reduction's packed gradients (``world`` W). One part already in ``dtype`` is only
+    flattened, as before (a view where its layout allows)."""
+    if len(parts) == 1 and parts[0].dtype == dtype:
+        return parts[0].reshape(world, -1).reshape(-1)
+    return torch.ops.fully_shard.pack(parts, world, dtype)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _register_pack() -> None:
+    """``fully_shard::pack`` (:func:`_pack`): the packing copies as one opaque operator, which
+    inductor calls (``torch.cat`` in eager) instead of generating code for.
+
+    Why: inductor lowers a ``torch.cat`` on CPU into copy loops that it fuses with whatever
+    sits next to them, and every distinct fusion is a C++ kernel of its own to build (about
+    a second of a compile worker's CPU each on 2 cores, whatever its size). The gather's and
+    the reduction's packing made 4 of the 8 kernels of the blocks model's step
+    (``benchmarks/bench_compile.py --model blocks``: the forward's pack inside the region and,
+    apart, in the first block traced inline; the backward's recomputed pack fused with the
+    ReLU's gradient; the gradients' pack fused with the bias gradient's sum); torch's
+    per-block order builds 3. With the operator: 4 (torch 2.13.0, W=1). The copies are the
+    same ones (ATen's ``cat`` instead of inductor's loops). Registered once, when the first
+    group's description is read in a trace (not at import).
+    """
+    name = "fully_shard::pack"
+    torch.library.define(name, "(Tensor[] parts, int world, ScalarType dtype) -> Tensor")
+
+    def pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([t.reshape(world, -1).to(dtype) for t in parts], dim=1).reshape(-1)
+
+    def fake(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+        return parts[0].new_empty(sum(t.numel() for t in parts), dtype=dtype)
+
+    torch.library.impl(name, "default", func=pack)
+    torch.library.register_fake(name, fake)
 
 
 def _reduce_flat(plan: GroupDescription, flat: torch.Tensor) -> torch.Tensor:
@@ -235,11 +274,8 @@ class _GatherGroup(torch.autograd.Function):
             ctx.save_for_backward(extra)
         fulls: list[torch.Tensor | None] = [None] * len(shards)
         for piece in plan.pieces:  # one all-gather per compute dtype, in its own dtype
-            parts = [
-                _padded(shards[i].to(plan.slots[i].compute_dtype), plan.slots[i]).reshape(-1)
-                for i in piece
-            ]
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            dtype = plan.slots[piece[0]].compute_dtype
+            flat = _pack([_padded(shards[i], plan.slots[i]) for i in piece], 1, dtype)
             if plan.world > 1:
                 flat = funcol_all_gather(flat, plan.world, plan.shard_group_name)
             numels = [plan.slots[i].padded_numel for i in piece]
@@ -439,6 +475,7 @@ def _plan_for(group: ParamGroup, *guarded: Any) -> GroupDescription:
     later is refused at that recompile.
     """
     check_traceable(group)
+    _register_pack()  # before the first gather is traced
     plan = group.description
     if not plan.sync:
         _ensure_accumulator(group, plan)
