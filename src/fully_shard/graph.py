@@ -210,6 +210,15 @@ def _pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Te
     return torch.ops.fully_shard.pack(parts, world, dtype)  # type: ignore[no-any-return]
 
 
+def _unpack(flat: torch.Tensor, world: int, numels: list[int]) -> list[torch.Tensor]:
+    """The gathered ``(world * total,)`` buffer cut into each parameter's ``(world, numel)``
+    block: views where a block is contiguous (one rank, or one parameter), else each block
+    copied out whole by ``fully_shard::unpack`` (see :func:`_register_pack`)."""
+    if world == 1 or len(numels) == 1:
+        return list(torch.split(flat.view(world, -1), numels, dim=1))
+    return torch.ops.fully_shard.unpack(flat, world, numels)  # type: ignore[no-any-return]
+
+
 @functools.cache
 def _register_pack() -> None:
     """``fully_shard::pack`` (:func:`_pack`): the packing copies as one opaque operator, which
@@ -237,6 +246,19 @@ def _register_pack() -> None:
 
     torch.library.impl(name, "default", func=pack)
     torch.library.register_fake(name, fake)
+
+    name = "fully_shard::unpack"
+    torch.library.define(name, "(Tensor flat, int world, int[] numels) -> Tensor[]")
+
+    def unpack(flat: torch.Tensor, world: int, numels: list[int]) -> list[torch.Tensor]:
+        blocks = torch.split(flat.view(world, -1), numels, dim=1)
+        return [b.clone(memory_format=torch.contiguous_format) for b in blocks]
+
+    def unpack_fake(flat: torch.Tensor, world: int, numels: list[int]) -> list[torch.Tensor]:
+        return [flat.new_empty(world, n) for n in numels]
+
+    torch.library.impl(name, "default", func=unpack)
+    torch.library.register_fake(name, unpack_fake)
 
 
 def _reduce_flat(plan: GroupDescription, flat: torch.Tensor) -> torch.Tensor:
@@ -278,8 +300,7 @@ class _GatherGroup(torch.autograd.Function):
             flat = _pack([_padded(shards[i], plan.slots[i]) for i in piece], 1, dtype)
             if plan.world > 1:
                 flat = funcol_all_gather(flat, plan.world, plan.shard_group_name)
-            numels = [plan.slots[i].padded_numel for i in piece]
-            blocks = torch.split(flat.view(plan.world, -1), numels, dim=1)
+            blocks = _unpack(flat, plan.world, [plan.slots[i].padded_numel for i in piece])
             for i, block in zip(piece, blocks, strict=True):
                 fulls[i] = _unranked(block, plan.slots[i])
         return tuple(t for t in fulls if t is not None)
@@ -1312,7 +1333,7 @@ class _GatherBucket(torch.autograd.Function):
             parts.append(_padded(shard.to(slot.compute_dtype), slot).reshape(-1))
         first = plans[0]
         flat = funcol_all_gather(torch.cat(parts), first.world, first.shard_group_name)
-        blocks = torch.split(flat.view(first.world, -1), [s.padded_numel for s in slots], dim=1)
+        blocks = _unpack(flat, first.world, [s.padded_numel for s in slots])
         return tuple(_unranked(b, s) for b, s in zip(blocks, slots, strict=True))
 
     @staticmethod
