@@ -261,6 +261,27 @@ def _register_pack() -> None:
     torch.library.register_fake(name, unpack_fake)
 
 
+def _one_rank_grads(
+    plan: GroupDescription, grads: tuple[torch.Tensor | None, ...], members: list[int]
+) -> list[torch.Tensor | None]:
+    """One shard rank and no replicas: the reduction is its divisions alone, so each of
+    ``members``' gradients is divided where it is, in the reduce dtype (zeros for one without
+    a gradient): the numbers :func:`_pack_grads` and :func:`_reduce_flat` give, without the
+    packing's copy."""
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    divisor, post_divide = plan.one_rank_divisor, plan.reduction.post_divide
+    for i in members:
+        g, p = grads[i], plan.slots[i]
+        if g is None:
+            g = torch.zeros(p.padded_shard, dtype=plan.reduce_dtype, device=plan.device)
+        g = g.to(plan.reduce_dtype)
+        g = g if divisor == 1 else g / divisor
+        if post_divide is not None and post_divide != 1:
+            g = g / post_divide
+        out[i] = g.to(p.orig_dtype)
+    return out
+
+
 def _reduce_flat(plan: GroupDescription, flat: torch.Tensor) -> torch.Tensor:
     """Reduce-scatter, the HSDP all-reduce, the last division: this rank's ``(total,)``."""
     if plan.world > 1:
@@ -296,6 +317,10 @@ class _GatherGroup(torch.autograd.Function):
             ctx.save_for_backward(extra)
         fulls: list[torch.Tensor | None] = [None] * len(shards)
         for piece in plan.pieces:  # one all-gather per compute dtype, in its own dtype
+            if plan.world == 1:  # nothing to gather: each shard is its full tensor, cast
+                for i in piece:
+                    fulls[i] = shards[i].to(plan.slots[i].compute_dtype)
+                continue
             dtype = plan.slots[piece[0]].compute_dtype
             flat = _pack([_padded(shards[i], plan.slots[i]) for i in piece], 1, dtype)
             if plan.world > 1:
@@ -318,6 +343,8 @@ class _GatherGroup(torch.autograd.Function):
             members = [i for i in trainable if grads[i] is not None]
         if not members:
             return (None, None, *none)
+        if plan.world == 1 and plan.replicate_group_name is None and not ctx.kept:
+            return (None, None, *_one_rank_grads(plan, grads, members))
         flat = _pack_grads(plan, grads, members)
         if ctx.kept:
             (kept,) = ctx.saved_tensors
