@@ -196,8 +196,93 @@ def _pack_grads(
             shape = (p.world, p.padded_numel)
             cols.append(torch.zeros(shape, dtype=plan.reduce_dtype, device=plan.device))
         else:
-            cols.append(_ranked(g.to(plan.reduce_dtype), p))
-    return (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
+            cols.append(_ranked(g, p))
+    return _pack(cols, plan.world, plan.reduce_dtype)
+
+
+def _pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+    """``parts``, each viewed as ``(world, -1)`` and cast to ``dtype``, side by side in one
+    flat ``(world * total,)`` buffer, rank by rank: the gather's input (``world`` 1) and the
+    reduction's packed gradients (``world`` W). One part already in ``dtype`` is only
+    flattened, as before (a view where its layout allows)."""
+    if len(parts) == 1 and parts[0].dtype == dtype:
+        return parts[0].reshape(world, -1).reshape(-1)
+    return torch.ops.fully_shard.pack(parts, world, dtype)  # type: ignore[no-any-return]
+
+
+def _unpack(flat: torch.Tensor, world: int, numels: list[int]) -> list[torch.Tensor]:
+    """The gathered ``(world * total,)`` buffer cut into each parameter's ``(world, numel)``
+    block: views where a block is contiguous (one rank, or one parameter), else each block
+    copied out whole by ``fully_shard::unpack`` (see :func:`_register_pack`)."""
+    if world == 1 or len(numels) == 1:
+        return list(torch.split(flat.view(world, -1), numels, dim=1))
+    return torch.ops.fully_shard.unpack(flat, world, numels)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _register_pack() -> None:
+    """``fully_shard::pack`` (:func:`_pack`): the packing copies as one opaque operator, which
+    inductor calls (``torch.cat`` in eager) instead of generating code for.
+
+    Why: inductor lowers a ``torch.cat`` on CPU into copy loops that it fuses with whatever
+    sits next to them, and every distinct fusion is a C++ kernel of its own to build (about
+    a second of a compile worker's CPU each on 2 cores, whatever its size). The gather's and
+    the reduction's packing made 4 of the 8 kernels of the blocks model's step
+    (``benchmarks/bench_compile.py --model blocks``: the forward's pack inside the region and,
+    apart, in the first block traced inline; the backward's recomputed pack fused with the
+    ReLU's gradient; the gradients' pack fused with the bias gradient's sum); torch's
+    per-block order builds 3. With the operator: 4 (torch 2.13.0, W=1); the small Llama at
+    W=2 (``--model llama``) 17 with ``unpack`` too, 28 before, torch's order 12. The copies
+    are the same ones (ATen's ``cat`` instead of inductor's loops), at the price of a Python
+    call each (about 20 us for two tiny parameters against 4 us for ``torch.cat``): one shard
+    rank without replicas therefore packs nothing at all (:class:`_GatherGroup`). Registered
+    once, when the first group's description is read in a trace (not at import).
+    """
+    name = "fully_shard::pack"
+    torch.library.define(name, "(Tensor[] parts, int world, ScalarType dtype) -> Tensor")
+
+    def pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([t.reshape(world, -1).to(dtype) for t in parts], dim=1).reshape(-1)
+
+    def fake(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
+        return parts[0].new_empty(sum(t.numel() for t in parts), dtype=dtype)
+
+    torch.library.impl(name, "default", func=pack)
+    torch.library.register_fake(name, fake)
+
+    name = "fully_shard::unpack"
+    torch.library.define(name, "(Tensor flat, int world, int[] numels) -> Tensor[]")
+
+    def unpack(flat: torch.Tensor, world: int, numels: list[int]) -> list[torch.Tensor]:
+        blocks = torch.split(flat.view(world, -1), numels, dim=1)
+        return [b.clone(memory_format=torch.contiguous_format) for b in blocks]
+
+    def unpack_fake(flat: torch.Tensor, world: int, numels: list[int]) -> list[torch.Tensor]:
+        return [flat.new_empty(world, n) for n in numels]
+
+    torch.library.impl(name, "default", func=unpack)
+    torch.library.register_fake(name, unpack_fake)
+
+
+def _one_rank_grads(
+    plan: GroupDescription, grads: tuple[torch.Tensor | None, ...], members: list[int]
+) -> list[torch.Tensor | None]:
+    """One shard rank and no replicas: the reduction is its divisions alone, so each of
+    ``members``' gradients is divided where it is, in the reduce dtype (zeros for one without
+    a gradient): the numbers :func:`_pack_grads` and :func:`_reduce_flat` give, without the
+    packing's copy."""
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    divisor, post_divide = plan.one_rank_divisor, plan.reduction.post_divide
+    for i in members:
+        g, p = grads[i], plan.slots[i]
+        if g is None:
+            g = torch.zeros(p.padded_shard, dtype=plan.reduce_dtype, device=plan.device)
+        g = g.to(plan.reduce_dtype)
+        g = g if divisor == 1 else g / divisor
+        if post_divide is not None and post_divide != 1:
+            g = g / post_divide
+        out[i] = g.to(p.orig_dtype)
+    return out
 
 
 def _reduce_flat(plan: GroupDescription, flat: torch.Tensor) -> torch.Tensor:
@@ -235,15 +320,15 @@ class _GatherGroup(torch.autograd.Function):
             ctx.save_for_backward(extra)
         fulls: list[torch.Tensor | None] = [None] * len(shards)
         for piece in plan.pieces:  # one all-gather per compute dtype, in its own dtype
-            parts = [
-                _padded(shards[i].to(plan.slots[i].compute_dtype), plan.slots[i]).reshape(-1)
-                for i in piece
-            ]
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if plan.world == 1:  # nothing to gather: each shard is its full tensor, cast
+                for i in piece:
+                    fulls[i] = shards[i].to(plan.slots[i].compute_dtype)
+                continue
+            dtype = plan.slots[piece[0]].compute_dtype
+            flat = _pack([_padded(shards[i], plan.slots[i]) for i in piece], 1, dtype)
             if plan.world > 1:
                 flat = funcol_all_gather(flat, plan.world, plan.shard_group_name)
-            numels = [plan.slots[i].padded_numel for i in piece]
-            blocks = torch.split(flat.view(plan.world, -1), numels, dim=1)
+            blocks = _unpack(flat, plan.world, [plan.slots[i].padded_numel for i in piece])
             for i, block in zip(piece, blocks, strict=True):
                 fulls[i] = _unranked(block, plan.slots[i])
         return tuple(t for t in fulls if t is not None)
@@ -261,6 +346,8 @@ class _GatherGroup(torch.autograd.Function):
             members = [i for i in trainable if grads[i] is not None]
         if not members:
             return (None, None, *none)
+        if plan.world == 1 and plan.replicate_group_name is None and not ctx.kept:
+            return (None, None, *_one_rank_grads(plan, grads, members))
         flat = _pack_grads(plan, grads, members)
         if ctx.kept:
             (kept,) = ctx.saved_tensors
@@ -439,6 +526,7 @@ def _plan_for(group: ParamGroup, *guarded: Any) -> GroupDescription:
     later is refused at that recompile.
     """
     check_traceable(group)
+    _register_pack()  # before the first gather is traced
     plan = group.description
     if not plan.sync:
         _ensure_accumulator(group, plan)
@@ -1286,7 +1374,7 @@ class _GatherBucket(torch.autograd.Function):
             parts.append(_padded(shard.to(slot.compute_dtype), slot).reshape(-1))
         first = plans[0]
         flat = funcol_all_gather(torch.cat(parts), first.world, first.shard_group_name)
-        blocks = torch.split(flat.view(first.world, -1), [s.padded_numel for s in slots], dim=1)
+        blocks = _unpack(flat, first.world, [s.padded_numel for s in slots])
         return tuple(_unranked(b, s) for b, s in zip(blocks, slots, strict=True))
 
     @staticmethod
