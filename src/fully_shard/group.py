@@ -209,8 +209,8 @@ class _DenseGather:
 # shard rank, WholeShard): wait_for_unshard has nothing to copy.
 _NOTHING_SENT = _PendingGather(None, None, 1, [], ())
 
-# ShardedParam.sharded_param, read as a C call (ParamGroup.sharded_versions).
-_SHARDED_PARAM = operator.attrgetter("sharded_param")
+# ParamGroup._gathered_versions when the gathered tensors are the shards themselves.
+_ALIASED: tuple[int, ...] = (-1,)
 # ShardedParam.local_shard's tensor, read as a C call (ParamGroup._reduces_to_itself).
 _LOCAL_SHARD = operator.attrgetter("_local")
 
@@ -336,9 +336,13 @@ class ParamGroup:
         # when one is cut, cleared when they are dropped, so that the usual reshard and
         # unshard skip the per-parameter drop.
         self._pieces_cut = False
-        # (id, version) of each sharded parameter when the gathered copy (and so any
-        # post-forward piece cut from it) was taken.
-        self._gathered_versions: list[tuple[int, int]] = []
+        # The sharded parameters (sync_with_module replaces them and bumps the count), read by
+        # sharded_versions.
+        self._sharded: tuple[nn.Parameter, ...] = tuple(p.sharded_param for p in params)
+        self._sharded_count = 0
+        # sharded_versions() when the gathered copy (and so any post-forward piece cut from it)
+        # was taken; _ALIASED when the gathered tensors are the shards themselves.
+        self._gathered_versions: tuple[int, ...] = ()
         # Who watches this group (fully_shard.observer): profiler labels always, tools while on.
         self.labels = ProfilerLabels()
         self.observers: tuple[Observer, ...] = (self.labels,)
@@ -372,6 +376,8 @@ class ParamGroup:
         for pp in self.persistent:
             pp.sync_with_module()
         self._description = None
+        self._sharded = tuple(p.sharded_param for p in self.params)
+        self._sharded_count += 1
 
     def __repr__(self) -> str:
         quant = self.config.quantization_policy
@@ -489,8 +495,9 @@ class ParamGroup:
             desc = self.description
         if desc is self._whole_for:
             # Every shard is its unsharded tensor, already made for this description: nothing
-            # is sent, allocated or copied (the general path below would find the same).
-            self._gathered_versions = self.sharded_versions()
+            # is sent, allocated or copied (the general path below would find the same), and
+            # what is shown cannot go stale.
+            self._gathered_versions = _ALIASED
             self._gather = _NOTHING_SENT
             return
         if desc is self._dense_for and self._dense is not None:
@@ -709,16 +716,19 @@ class ParamGroup:
         self._dense = _DenseGather(wire, inputs, whole, storages, dests)
         self._dense_for = self._description
 
-    def sharded_versions(self) -> list[tuple[int, int]]:
-        """(id, version counter) of each sharded parameter: changes with every in-place write."""
-        # map over C callables: no comprehension frame (read 2-4 times per group per step)
-        sharded = list(map(_SHARDED_PARAM, self.params))
-        return list(zip(map(id, sharded), map(version, sharded), strict=True))
+    def sharded_versions(self) -> tuple[int, ...]:
+        """How many times the sharded parameters were replaced, then each one's version
+        counter: changes with every in-place write and every replacement."""
+        # map over a C callable: no comprehension frame (read twice per group per step)
+        return (self._sharded_count, *map(version, self._sharded))
 
-    def gathered_copy_is_stale(self, versions: list[tuple[int, int]]) -> bool:
-        """Gathered, but a sharded parameter changed since (``versions``: now's, as read by
-        :meth:`sharded_versions`), e.g. by an optimizer step."""
-        return self.state is GroupState.UNSHARDED and self._gathered_versions != versions
+    def gathered_copy_is_stale(self) -> bool:
+        """Gathered, but a sharded parameter changed since, e.g. by an optimizer step."""
+        if self.state is not GroupState.UNSHARDED:
+            return False
+        if self._gathered_versions is _ALIASED:  # the shards themselves, while still theirs
+            return self._whole_for is None or self._whole_for is not self._description
+        return self._gathered_versions != self.sharded_versions()
 
     def reshard_after_forward(self, backward_follows: bool) -> None:
         """Reshard at the end of forward: to the post-forward group when one is configured and

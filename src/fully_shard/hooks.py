@@ -397,9 +397,9 @@ class FSDPState:
         """Every parameter the state keeps whole (``param_persistence_threshold``)."""
         return [p for group in self.groups for p in group.persistent]
 
-    def sharded_versions(self) -> list[tuple[int, int]]:
-        """:meth:`ParamGroup.sharded_versions` of every group, concatenated."""
-        return [v for group in self.groups for v in group.sharded_versions()]
+    def sharded_versions(self) -> tuple[tuple[int, ...], ...]:
+        """:meth:`ParamGroup.sharded_versions` of every group."""
+        return tuple([group.sharded_versions() for group in self.groups])
 
     @property
     def config(self) -> GroupConfig:
@@ -555,9 +555,7 @@ class FSDPState:
         self.unfinalized = True
         for group in groups:
             # Only a group still gathered can hold a stale copy: read no versions else.
-            if group.state is GroupState.UNSHARDED and group.gathered_copy_is_stale(
-                group.sharded_versions()
-            ):
+            if group.state is GroupState.UNSHARDED and group.gathered_copy_is_stale():
                 # Gathered before an optimizer step (explicit unshard,
                 # reshard_after_backward=False): every rank stepped, so every rank
                 # gathers again.
@@ -656,7 +654,14 @@ class FSDPState:
                 hook = functools.partial(self._pre_backward, versions)
                 for t in [output] if isinstance(output, torch.Tensor) else _tensors(output):
                     if t.requires_grad:
-                        t.register_hook(hook)  # type: ignore[no-untyped-call]
+                        node = t.grad_fn
+                        if node is None:  # a leaf passed through
+                            t.register_hook(hook)  # type: ignore[no-untyped-call]
+                        else:
+                            # The node's pre-hook runs when the gradient of its outputs (this
+                            # one's too) is ready, as a tensor hook would, and is a C call
+                            # where Tensor.register_hook builds a handle in Python.
+                            node.register_prehook(hook)
                         it.outputs_hooked += 1
             if it.forward_depth == 0:
                 if not it.modules_to_run:
@@ -726,21 +731,31 @@ class FSDPState:
             ctx.it.in_backward = True
         return ctx
 
-    def _check_unchanged_since_forward(self, before: list[tuple[int, int]]) -> None:
+    def _check_unchanged_since_forward(self, before: Any) -> None:
         # ``before``: the sharded versions when the forward whose output this is ended. An
         # in-place change since (optimizer.step(), load_state_dict) would pair that forward's
         # activations with new parameter values.
-        now = self.sharded_versions()
-        for p, was, current in zip(self.params, before, now, strict=True):
-            if was != current:
+        befores = before if self.several else (before,)
+        for group, was in zip(self.groups, befores, strict=True):
+            now = group.sharded_versions()
+            if now != was:
+                # (the first of the counts: shards replaced, every parameter changed)
+                name = next(
+                    (
+                        p.fqn
+                        for p, v, w in zip(group.params, now[1:], was[1:], strict=True)
+                        if v != w or now[0] != was[0]
+                    ),
+                    group.label,
+                )
                 raise FullyShardStateError(
-                    f"backward came for parameter {p.fqn!r}, which was changed in place "
+                    f"backward came for parameter {name!r}, which was changed in place "
                     "(optimizer.step(), load_state_dict(), ...) after its forward; the "
                     "gradient would mix old activations with new values. Step the optimizer "
                     "after backward; call reset_iter_state() on the root module to recover"
                 )
 
-    def _pre_backward(self, forward_versions: list[tuple[int, int]], grad: torch.Tensor) -> None:
+    def _pre_backward(self, forward_versions: Any, grad: Any) -> None:
         now = self.sharded_versions() if self.several else self.groups[0].sharded_versions()
         if now != forward_versions:
             self._check_unchanged_since_forward(forward_versions)  # names the parameter

@@ -339,8 +339,10 @@ class ShardedParam:
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add ``local_grad`` (this rank's reduced rows) into the sharded DTensor's ``.grad``."""
-        dtype = self.sharded_grad_dtype or self._local.dtype  # (orig_dtype, read inline)
-        local_grad = local_grad.to(dtype=dtype, device=self._local.device)
+        local = self._local
+        dtype = self.sharded_grad_dtype or local.dtype  # (orig_dtype, read inline)
+        if local_grad.dtype is not dtype or local_grad.device != local.device:
+            local_grad = local_grad.to(dtype=dtype, device=local.device)
         sharded = self.sharded_param
         grad = sharded.grad
         if grad is None:
