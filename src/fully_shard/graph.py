@@ -576,10 +576,39 @@ def _shards(group: ParamGroup) -> list[torch.Tensor]:
 def _local(p: Any) -> torch.Tensor:
     """A trainable parameter's graph shard (a leaf whose gradient goes on to the sharded
     DTensor, :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), a frozen one's local
-    shard. Dynamo guards on ``requires_grad``: ``requires_grad_()`` later recompiles once per
-    value."""
-    trainable: bool = p.sharded_param.requires_grad
-    return p.graph_shard if trainable else p.local_shard  # type: ignore[no-any-return]
+    shard. Also the kept-whole parameters' (``graph_local``, ``local``).
+
+    The trainable flag is read off the leaf, which :func:`_graph_shards_made` has just made
+    agree with the sharded parameter: the leaf is a graph input, guarded with its
+    ``requires_grad`` anyway. Reading the DTensor's flag instead made dynamo wrap each
+    sharded DTensor as a fake one and guard its spec, a tenth of a second of the first step
+    per block (``benchmarks/bench_compile.py``, 48 blocks, torch 2.13) and half of the
+    compiled step's guard time, for one bit. Only a frozen parameter's DTensor is read, so
+    that ``requires_grad_(True)`` recompiles; ``requires_grad_(False)`` leaves the leaf
+    requiring a gradient, which the next backward drops and then turns off (the call after
+    it recompiles; ``ShardedParam._take_graph_grad``): exact gradients, one step of wasted
+    work.
+    """
+    leaf = p.graph_shard
+    if leaf is not None and leaf.requires_grad:
+        return leaf  # type: ignore[no-any-return]
+    _frozen(p)
+    return p.local_shard  # type: ignore[no-any-return]
+
+
+def _kept_local(pp: Any) -> torch.Tensor:
+    """:func:`_local` for a kept-whole parameter (its leaf ``graph_local``, or ``local``)."""
+    leaf = pp.graph_local
+    if leaf is not None and leaf.requires_grad:
+        return leaf  # type: ignore[no-any-return]
+    _frozen(pp)
+    return pp.local  # type: ignore[no-any-return]
+
+
+def _frozen(p: Any) -> None:
+    """Read a frozen parameter's flag, so that dynamo guards on it (see :func:`_local`)."""
+    if p.sharded_param.requires_grad:
+        raise FullyShardStateError(f"{p.fqn!r}: graph leaf frozen on a trainable parameter")
 
 
 def _plan_of(group: ParamGroup) -> GroupDescription:
@@ -724,9 +753,7 @@ def _show_kept(group: ParamGroup) -> tuple[torch.Tensor, ...]:
     if plan.sync and acc is not None and acc.grad is not None:
         extra = acc.grad  # the unsynced passes' sums join this all-reduce
         acc.grad = None
-    locals_ = [
-        pp.graph_local if pp.sharded_param.requires_grad else pp.local for pp in group.persistent
-    ]
+    locals_ = [_kept_local(pp) for pp in group.persistent]
     return _KeptWholeCast.apply(plan, extra, *locals_)  # type: ignore[no-untyped-call,no-any-return]
 
 
