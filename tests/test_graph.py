@@ -1051,22 +1051,30 @@ def test_every_config_field_is_described_refused_or_without_effect_on_the_graph(
     assert set(seen) == {f.name for f in __import__("dataclasses").fields(GroupConfig)}
 
 
-def test_the_guarded_fields_are_exactly_the_config_fields_the_graph_depends_on() -> None:
-    """``_guarded_fields`` (the config values dynamo guards on, written out so that tracing
-    them is cheap) reads each of ``_CONFIG_FIELDS`` and nothing else."""
+def _configs_after_setters() -> dict[str, bool]:
+    """A group's config object through set_requires_gradient_sync flips."""
+    model = _Net(checkpointed=False, blocks=1)
+    _shard(model, mesh_1d())
+    group = model.blocks[0]._fsdp_state.groups[0]  # type: ignore[union-attr]
+    first = group.config
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    off = group.config
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    back = group.config
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    return {
+        "new object for new values": off is not first and off != first,
+        "the first again": back is first,
+        "the second again": group.config is off,
+    }
 
-    class _Reads:
-        def __init__(self) -> None:
-            self.names: list[str] = []
 
-        def __getattr__(self, name: str) -> str:
-            self.names.append(name)
-            return name
-
-    reads = _Reads()
-    values = graph._guarded_fields(reads)  # type: ignore[arg-type]
-    assert sorted(reads.names) == sorted(graph._CONFIG_FIELDS)
-    assert len(values) == len(graph._CONFIG_FIELDS)
+def test_setters_give_back_the_config_object_of_equal_options() -> None:
+    """The graph path guards on each group's config by identity (one guard, not one per
+    field): a setter that restores earlier options restores the earlier object, so that an
+    option flipped per micro-batch finds its graph again instead of recompiling."""
+    for r in run_distributed(_configs_after_setters, 2):
+        assert all(r.values()), r
 
 
 class _SpyComm:

@@ -507,23 +507,23 @@ CONFIG_FIELDS: dict[str, str] = {
     "compile_region": "honoured",  # the graph path's own: a block traced as a region or inline
 }
 
-# The fields the traced graph depends on, passed to _plan_for one by one so that dynamo guards
-# on each value (a bool by value, an object by identity): set_requires_gradient_sync replaces
-# the config object, and a guard on that identity would recompile at every flip instead of
-# once per value.
-_CONFIG_FIELDS = tuple(
-    name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")
-)
-
 
 @assume_constant_result
 def _plan_for(group: ParamGroup, *guarded: Any) -> GroupDescription:
     """The group's description (:mod:`fully_shard.description`), read for real when dynamo
     traces and kept as a constant.
 
-    ``guarded`` (the config fields, the comm, the observer counts) is passed only so that
-    dynamo guards on it: a ``set_*`` call recompiles with the new value, a tool attached
-    later is refused at that recompile.
+    ``guarded`` (the config, the comm, the observer counts) is passed only so that dynamo
+    guards on it: a ``set_*`` call recompiles with the new value, a tool attached later is
+    refused at that recompile.
+
+    The config is guarded by identity, one guard per group: the setters replace it with an
+    equal object the group had before where there is one (``FSDPModule._update_config``), so
+    that an option flipped back and forth (``set_requires_gradient_sync`` per micro-batch)
+    recompiles once per value, not at every flip. Guarding the fields the graph depends on
+    one by one (as before) cost about 15 guards per group and as many values for dynamo to
+    build per block, at every trace; identity also recompiles for a field with no effect on
+    the graph (``set_reshard_after_backward``), once per value.
     """
     check_traceable(group)
     _register_pack()  # before the first gather is traced
@@ -613,34 +613,7 @@ def _frozen(p: Any) -> None:
 
 def _plan_of(group: ParamGroup) -> GroupDescription:
     return _plan_for(  # type: ignore[no-any-return]
-        group,
-        *_guarded_fields(group.config),
-        group.comm,
-        len(group.observers),
-        len(JOB_WIDE.observers),
-    )
-
-
-def _guarded_fields(config: GroupConfig) -> tuple[Any, ...]:
-    """The values of :data:`_CONFIG_FIELDS` (``tests/test_graph.py`` checks that it reads
-    exactly those), written out: dynamo traces a comprehension with ``getattr`` in about
-    seven steps a field and an exception at its end, per block; this takes two a field."""
-    return (
-        config.requires_gradient_sync,
-        config.quantization_policy,
-        config.offload_policy,
-        config.post_forward,
-        config.requires_all_reduce,
-        config.all_reduce_hook,
-        config.gradient_divide_factor,
-        config.force_sum_reduction_for_comms,
-        config.unshard_in_backward,
-        config.all_gather_comm,
-        config.reduce_scatter_comm,
-        config.reduce_scatter_unused_params,
-        config.reduce_scatter_group,
-        config.keep_unsharded_storage,
-        config.mp_policy,
+        group, group.config, group.comm, len(group.observers), len(JOB_WIDE.observers)
     )
 
 
@@ -742,11 +715,7 @@ def _kept_plan_for(group: ParamGroup, *guarded: Any) -> _KeptPlan:
 def _show_kept(group: ParamGroup) -> tuple[torch.Tensor, ...]:
     """The group's kept-whole parameters as the module computes with them (plain tensors)."""
     plan: _KeptPlan = _kept_plan_for(
-        group,
-        *_guarded_fields(group.config),
-        group.comm,
-        len(group.observers),
-        len(JOB_WIDE.observers),
+        group, group.config, group.comm, len(group.observers), len(JOB_WIDE.observers)
     )
     acc = group.graph_kept_grads
     extra = acc if not plan.sync else None
