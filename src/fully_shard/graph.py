@@ -527,6 +527,8 @@ def _plan_for(group: ParamGroup, *guarded: Any) -> GroupDescription:
     """
     check_traceable(group)
     _register_pack()  # before the first gather is traced
+    for p in group.params:  # the leaves _shards reads, their flags the parameters' now
+        p.ensure_graph_shard()
     plan = group.description
     if not plan.sync:
         _ensure_accumulator(group, plan)
@@ -559,17 +561,10 @@ def _fitting_accumulator(
     return torch.zeros(numel, dtype=dtype, device=group.info.device, requires_grad=True)
 
 
-@assume_constant_result
-def _graph_shards_made(group: ParamGroup) -> bool:
-    for p in group.params:
-        p.ensure_graph_shard()
-    return True
-
-
 def _shards(group: ParamGroup) -> list[torch.Tensor]:
     """The group's shards as the traced code reads them: plain tensors over the sharded
-    DTensors' local tensors, so that the graph's inputs and gradients are plain tensors."""
-    _graph_shards_made(group)
+    DTensors' local tensors, so that the graph's inputs and gradients are plain tensors.
+    Read after :func:`_plan_of` in the same trace, which makes the leaves."""
     return [_local(p) for p in group.params]
 
 
@@ -578,7 +573,7 @@ def _local(p: Any) -> torch.Tensor:
     DTensor, :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), a frozen one's local
     shard. Also the kept-whole parameters' (``graph_local``, ``local``).
 
-    The trainable flag is read off the leaf, which :func:`_graph_shards_made` has just made
+    The trainable flag is read off the leaf, which :func:`_plan_for` has just made
     agree with the sharded parameter: the leaf is a graph input, guarded with its
     ``requires_grad`` anyway. Reading the DTensor's flag instead made dynamo wrap each
     sharded DTensor as a fake one and guard its spec, a tenth of a second of the first step
@@ -984,16 +979,16 @@ def _register_region_input() -> None:
 
 @assume_constant_result
 def _in_regions(
-    state: FSDPState, enabled: bool, pre_hooks: tuple[int, ...], post_hooks: tuple[int, ...]
+    state: FSDPState, config: GroupConfig, pre_hooks: tuple[int, ...], post_hooks: tuple[int, ...]
 ) -> bool:
     """Whether ``state``'s block may run as a region: the facts that do not change per call,
-    in one constant call per block. ``enabled`` (its ``compile_region`` option) and the ids of
-    the module's forward hooks (it has only ``fully_shard``'s two) are passed so that dynamo
-    guards on them."""
+    in one constant call per block. ``config`` (the state's, for its ``compile_region``
+    option; guarded by identity, see :func:`_plan_for`) and the ids of the module's forward
+    hooks (it has only ``fully_shard``'s two) are passed so that dynamo guards on them."""
     module = state.modules[0]
     ours = {handle.id for handle in state._module_hooks}
     regional = (
-        enabled
+        config.compile_region
         and has_compile_regions()
         and len(pre_hooks) == 1
         and len(post_hooks) == 1
@@ -1074,15 +1069,15 @@ def _region_call(
     (the region's own guards are those of the block first traced). ``config``: the state's
     (its groups share one); what runs here is traced once per block, so it reads each fact
     once and loops little (each loop dynamo traces ends in an exception it handles)."""
-    policy = config.mp_policy
-    if policy.forward_input_dtype() is not None:
+    reshard, cast_inputs, cast_output = _region_options(state, config)
+    if cast_inputs:
         args, kwargs = state._cast_inputs(args, kwargs)
     user = (*args, *kwargs.values())
     metas = tuple(map(_input_meta, user))
     if False in metas:
         return False, None
     if _in_bucket(state):
-        if state.reshard_after_forward and state.config.unshard_in_backward:
+        if reshard and config.unshard_in_backward:
             return False, None  # inline: see "buckets in the graph" below
         return True, state._cast_output(_gathered_region_call(module, state, kwargs, user, metas))
     # The gather's inputs: each group's extra, then its shards (their metadata is read off the
@@ -1093,14 +1088,24 @@ def _region_call(
         if group.params:
             extras.append(_extra_of(group, _plan_of(group)))
             shards.extend(_shards(group))
-    reshard = state.reshard_after_forward
     names = tuple(kwargs)
     # int(): a plain constant (what dynamo keeps for the constant function's result has a
     # source that torch's reuse check cannot guard on).
     key = int(_region_key(state, reshard, (*metas, *names)))
     flat = (*names, *extras, *shards, *user)
     output = _block_region(key, module, reshard, len(args), len(names), *flat)
-    return True, output if policy.output_dtype is None else state._cast_output(output)
+    return True, state._cast_output(output) if cast_output else output
+
+
+@assume_constant_result
+def _region_options(state: FSDPState, config: GroupConfig) -> tuple[bool, bool, bool]:
+    """What a block's call reads of its options, in one constant call (``config``, the
+    state's, is passed so that dynamo guards on it, by identity, as :func:`_plan_for`'s):
+    whether it reshards after forward, casts its inputs, casts its output. Read field by
+    field in the traced code, each is a value for dynamo to build and guard, per block."""
+    policy = config.mp_policy
+    casts_inputs = policy.forward_input_dtype() is not None
+    return state.reshard_after_forward, casts_inputs, policy.output_dtype is not None
 
 
 # The releases the graph path has run on start here (2.13.0, 2.14.1). On 2.6.0 dynamo cannot
@@ -1185,7 +1190,7 @@ def graph_call(
             "block)"
         )
     config = state.groups[0].config
-    if _inside_run(state) and _in_regions(state, config.compile_region, *forward_hook_ids(module)):
+    if _inside_run(state) and _in_regions(state, config, *forward_hook_ids(module)):
         done, output = _region_call(module, state, config, args, kwargs)
         if done:
             return output
