@@ -1114,7 +1114,6 @@ def _region_options(state: FSDPState, config: GroupConfig) -> tuple[bool, bool, 
 _GRAPH_PATH_SINCE = (2, 13)
 
 
-@assume_constant_result
 def _check_torch() -> bool:
     """Refuse, with the alternatives, a torch the graph path has not run on."""
     release = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -1146,7 +1145,10 @@ def _check_root_options(state: FSDPState, manual_finalization: bool) -> bool:
 
 @assume_constant_result
 def _initialized(state: FSDPState) -> bool:
-    """Run the root's lazy init eagerly, once, when dynamo first traces (a constant)."""
+    """Run the root's lazy init eagerly, once, when dynamo first traces (a constant), after
+    checking the torch release (here rather than in a constant call of its own: this one is
+    traced at every sharded module's call, and each constant call is a step for dynamo)."""
+    _check_torch()
     state.ensure_initialized()
     return True
 
@@ -1161,7 +1163,6 @@ def takes_graph_path(state: FSDPState) -> bool:
     graph. The other per-block orders (``block.compile()``, compiling before sharding) never
     trace this call and keep the eager hooks.
     """
-    _check_torch()
     _initialized(state)
     return state.root is not None
 
