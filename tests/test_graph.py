@@ -820,7 +820,9 @@ def _compiled_grads_against_eager() -> dict[str, Any]:
     step_and_zero()  # in place on the DTensors: the graph's shards see it
     for m in (model, eager):
         m.blocks[0].down.weight.requires_grad_(False)  # type: ignore[union-attr, operator]
-    backward(2, "frozen")
+    backward(2, "frozen")  # the first graph: its gradient dropped, the leaf frozen
+    step_and_zero()
+    backward(2, "frozen again")  # traced frozen
     step_and_zero()
     for m in (model, eager):
         m.blocks[0].down.weight.requires_grad_(True)  # type: ignore[union-attr, operator]
@@ -839,12 +841,20 @@ def test_compiled_gradients_are_the_eager_engines_dtensors() -> None:
     """After each compiled backward every sharded gradient is a DTensor with its parameter's
     mesh, placements and shape, within 1e-6 of our eager engine's local rows, on the same
     parameters: accumulated into an existing ``.grad``, a user's post-accumulate-grad hook run
-    once per backward after it is in place, a parameter frozen (no gradient) and unfrozen
-    (recompiled once, then the first graph again), and the shards replaced by
+    once per backward after it is in place, a parameter frozen (no gradient: the first
+    backward after freezing runs the graph traced trainable and drops the gradient, the next
+    call recompiles) and unfrozen (recompiled once), and the shards replaced by
     ``model.to(torch.float64)`` (recompiled: float64 gradients, the optimizer's steps seen by
     the next compiled forward). A bias whose ``grad_dtype`` was float64 before sharding has
     float64 sharded gradients on both runtimes."""
-    frames = {"first": 1, "accumulated": 1, "frozen": 2, "unfrozen": 2, "float64": 3}
+    frames = {
+        "first": 1,
+        "accumulated": 1,
+        "frozen": 1,
+        "frozen again": 2,
+        "unfrozen": 3,
+        "float64": 4,
+    }
     for r in run_distributed(_compiled_grads_against_eager, 2, timeout=300):
         assert r["hooked"] == ["DTensor", "DTensor"], r["hooked"]
         assert r["bias grad"] == "torch.float64", r["bias grad"]
@@ -854,7 +864,9 @@ def test_compiled_gradients_are_the_eager_engines_dtensors() -> None:
                 continue
             assert tag.split(",")[0] in frames and r[tag + " frames"] == frames[tag.split(",")[0]]
             for name, (has, laid_out, diff) in grads.items():
-                frozen = name == "scale" or (tag == "frozen" and name == "blocks.0.down.weight")
+                frozen = name == "scale" or (
+                    tag.startswith("frozen") and name == "blocks.0.down.weight"
+                )
                 assert has != frozen and (frozen or laid_out), (tag, name, has, laid_out)
                 assert diff < 1e-6, (tag, name, diff)
 
@@ -1039,22 +1051,30 @@ def test_every_config_field_is_described_refused_or_without_effect_on_the_graph(
     assert set(seen) == {f.name for f in __import__("dataclasses").fields(GroupConfig)}
 
 
-def test_the_guarded_fields_are_exactly_the_config_fields_the_graph_depends_on() -> None:
-    """``_guarded_fields`` (the config values dynamo guards on, written out so that tracing
-    them is cheap) reads each of ``_CONFIG_FIELDS`` and nothing else."""
+def _configs_after_setters() -> dict[str, bool]:
+    """A group's config object through set_requires_gradient_sync flips."""
+    model = _Net(checkpointed=False, blocks=1)
+    _shard(model, mesh_1d())
+    group = model.blocks[0]._fsdp_state.groups[0]  # type: ignore[union-attr]
+    first = group.config
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    off = group.config
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    back = group.config
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    return {
+        "new object for new values": off is not first and off != first,
+        "the first again": back is first,
+        "the second again": group.config is off,
+    }
 
-    class _Reads:
-        def __init__(self) -> None:
-            self.names: list[str] = []
 
-        def __getattr__(self, name: str) -> str:
-            self.names.append(name)
-            return name
-
-    reads = _Reads()
-    values = graph._guarded_fields(reads)  # type: ignore[arg-type]
-    assert sorted(reads.names) == sorted(graph._CONFIG_FIELDS)
-    assert len(values) == len(graph._CONFIG_FIELDS)
+def test_setters_give_back_the_config_object_of_equal_options() -> None:
+    """The graph path guards on each group's config by identity (one guard, not one per
+    field): a setter that restores earlier options restores the earlier object, so that an
+    option flipped per micro-batch finds its graph again instead of recompiling."""
+    for r in run_distributed(_configs_after_setters, 2):
+        assert all(r.values()), r
 
 
 class _SpyComm:

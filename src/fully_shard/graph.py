@@ -507,26 +507,28 @@ CONFIG_FIELDS: dict[str, str] = {
     "compile_region": "honoured",  # the graph path's own: a block traced as a region or inline
 }
 
-# The fields the traced graph depends on, passed to _plan_for one by one so that dynamo guards
-# on each value (a bool by value, an object by identity): set_requires_gradient_sync replaces
-# the config object, and a guard on that identity would recompile at every flip instead of
-# once per value.
-_CONFIG_FIELDS = tuple(
-    name for name, how in CONFIG_FIELDS.items() if how in ("described", "refused")
-)
-
 
 @assume_constant_result
 def _plan_for(group: ParamGroup, *guarded: Any) -> GroupDescription:
     """The group's description (:mod:`fully_shard.description`), read for real when dynamo
     traces and kept as a constant.
 
-    ``guarded`` (the config fields, the comm, the observer counts) is passed only so that
-    dynamo guards on it: a ``set_*`` call recompiles with the new value, a tool attached
-    later is refused at that recompile.
+    ``guarded`` (the config, the comm, the observer counts) is passed only so that dynamo
+    guards on it: a ``set_*`` call recompiles with the new value, a tool attached later is
+    refused at that recompile.
+
+    The config is guarded by identity, one guard per group: the setters replace it with an
+    equal object the group had before where there is one (``FSDPModule._update_config``), so
+    that an option flipped back and forth (``set_requires_gradient_sync`` per micro-batch)
+    recompiles once per value, not at every flip. Guarding the fields the graph depends on
+    one by one (as before) cost about 15 guards per group and as many values for dynamo to
+    build per block, at every trace; identity also recompiles for a field with no effect on
+    the graph (``set_reshard_after_backward``), once per value.
     """
     check_traceable(group)
     _register_pack()  # before the first gather is traced
+    for p in group.params:  # the leaves _shards reads, their flags the parameters' now
+        p.ensure_graph_shard()
     plan = group.description
     if not plan.sync:
         _ensure_accumulator(group, plan)
@@ -559,59 +561,54 @@ def _fitting_accumulator(
     return torch.zeros(numel, dtype=dtype, device=group.info.device, requires_grad=True)
 
 
-@assume_constant_result
-def _graph_shards_made(group: ParamGroup) -> bool:
-    for p in group.params:
-        p.ensure_graph_shard()
-    return True
-
-
 def _shards(group: ParamGroup) -> list[torch.Tensor]:
     """The group's shards as the traced code reads them: plain tensors over the sharded
-    DTensors' local tensors, so that the graph's inputs and gradients are plain tensors."""
-    _graph_shards_made(group)
+    DTensors' local tensors, so that the graph's inputs and gradients are plain tensors.
+    Read after :func:`_plan_of` in the same trace, which makes the leaves."""
     return [_local(p) for p in group.params]
 
 
 def _local(p: Any) -> torch.Tensor:
     """A trainable parameter's graph shard (a leaf whose gradient goes on to the sharded
     DTensor, :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard`), a frozen one's local
-    shard. Dynamo guards on ``requires_grad``: ``requires_grad_()`` later recompiles once per
-    value."""
-    trainable: bool = p.sharded_param.requires_grad
-    return p.graph_shard if trainable else p.local_shard  # type: ignore[no-any-return]
+    shard. Also the kept-whole parameters' (``graph_local``, ``local``).
+
+    The trainable flag is read off the leaf, which :func:`_plan_for` has just made
+    agree with the sharded parameter: the leaf is a graph input, guarded with its
+    ``requires_grad`` anyway. Reading the DTensor's flag instead made dynamo wrap each
+    sharded DTensor as a fake one and guard its spec and mesh (two Python guard functions a
+    parameter), for one bit: the blocks model at 48 blocks built its guards in 1.4 s with
+    the read and 0.6 s without (one run each, torch 2.13). Only a frozen parameter's DTensor
+    is read, so that ``requires_grad_(True)`` recompiles; ``requires_grad_(False)`` leaves
+    the leaf requiring a gradient, which the next backward drops and then turns off (the
+    call after it recompiles; ``ShardedParam._take_graph_grad``): exact gradients, one step
+    of wasted work.
+    """
+    leaf = p.graph_shard
+    if leaf is not None and leaf.requires_grad:
+        return leaf  # type: ignore[no-any-return]
+    _frozen(p)
+    return p.local_shard  # type: ignore[no-any-return]
+
+
+def _kept_local(pp: Any) -> torch.Tensor:
+    """:func:`_local` for a kept-whole parameter (its leaf ``graph_local``, or ``local``)."""
+    leaf = pp.graph_local
+    if leaf is not None and leaf.requires_grad:
+        return leaf  # type: ignore[no-any-return]
+    _frozen(pp)
+    return pp.local  # type: ignore[no-any-return]
+
+
+def _frozen(p: Any) -> None:
+    """Read a frozen parameter's flag, so that dynamo guards on it (see :func:`_local`)."""
+    if p.sharded_param.requires_grad:
+        raise FullyShardStateError(f"{p.fqn!r}: graph leaf frozen on a trainable parameter")
 
 
 def _plan_of(group: ParamGroup) -> GroupDescription:
     return _plan_for(  # type: ignore[no-any-return]
-        group,
-        *_guarded_fields(group.config),
-        group.comm,
-        len(group.observers),
-        len(JOB_WIDE.observers),
-    )
-
-
-def _guarded_fields(config: GroupConfig) -> tuple[Any, ...]:
-    """The values of :data:`_CONFIG_FIELDS` (``tests/test_graph.py`` checks that it reads
-    exactly those), written out: dynamo traces a comprehension with ``getattr`` in about
-    seven steps a field and an exception at its end, per block; this takes two a field."""
-    return (
-        config.requires_gradient_sync,
-        config.quantization_policy,
-        config.offload_policy,
-        config.post_forward,
-        config.requires_all_reduce,
-        config.all_reduce_hook,
-        config.gradient_divide_factor,
-        config.force_sum_reduction_for_comms,
-        config.unshard_in_backward,
-        config.all_gather_comm,
-        config.reduce_scatter_comm,
-        config.reduce_scatter_unused_params,
-        config.reduce_scatter_group,
-        config.keep_unsharded_storage,
-        config.mp_policy,
+        group, group.config, group.comm, len(group.observers), len(JOB_WIDE.observers)
     )
 
 
@@ -713,20 +710,14 @@ def _kept_plan_for(group: ParamGroup, *guarded: Any) -> _KeptPlan:
 def _show_kept(group: ParamGroup) -> tuple[torch.Tensor, ...]:
     """The group's kept-whole parameters as the module computes with them (plain tensors)."""
     plan: _KeptPlan = _kept_plan_for(
-        group,
-        *_guarded_fields(group.config),
-        group.comm,
-        len(group.observers),
-        len(JOB_WIDE.observers),
+        group, group.config, group.comm, len(group.observers), len(JOB_WIDE.observers)
     )
     acc = group.graph_kept_grads
     extra = acc if not plan.sync else None
     if plan.sync and acc is not None and acc.grad is not None:
         extra = acc.grad  # the unsynced passes' sums join this all-reduce
         acc.grad = None
-    locals_ = [
-        pp.graph_local if pp.sharded_param.requires_grad else pp.local for pp in group.persistent
-    ]
+    locals_ = [_kept_local(pp) for pp in group.persistent]
     return _KeptWholeCast.apply(plan, extra, *locals_)  # type: ignore[no-untyped-call,no-any-return]
 
 
@@ -988,16 +979,16 @@ def _register_region_input() -> None:
 
 @assume_constant_result
 def _in_regions(
-    state: FSDPState, enabled: bool, pre_hooks: tuple[int, ...], post_hooks: tuple[int, ...]
+    state: FSDPState, config: GroupConfig, pre_hooks: tuple[int, ...], post_hooks: tuple[int, ...]
 ) -> bool:
     """Whether ``state``'s block may run as a region: the facts that do not change per call,
-    in one constant call per block. ``enabled`` (its ``compile_region`` option) and the ids of
-    the module's forward hooks (it has only ``fully_shard``'s two) are passed so that dynamo
-    guards on them."""
+    in one constant call per block. ``config`` (the state's, for its ``compile_region``
+    option; guarded by identity, see :func:`_plan_for`) and the ids of the module's forward
+    hooks (it has only ``fully_shard``'s two) are passed so that dynamo guards on them."""
     module = state.modules[0]
     ours = {handle.id for handle in state._module_hooks}
     regional = (
-        enabled
+        config.compile_region
         and has_compile_regions()
         and len(pre_hooks) == 1
         and len(post_hooks) == 1
@@ -1078,15 +1069,15 @@ def _region_call(
     (the region's own guards are those of the block first traced). ``config``: the state's
     (its groups share one); what runs here is traced once per block, so it reads each fact
     once and loops little (each loop dynamo traces ends in an exception it handles)."""
-    policy = config.mp_policy
-    if policy.forward_input_dtype() is not None:
+    reshard, cast_inputs, cast_output = _region_options(state, config)
+    if cast_inputs:
         args, kwargs = state._cast_inputs(args, kwargs)
     user = (*args, *kwargs.values())
     metas = tuple(map(_input_meta, user))
     if False in metas:
         return False, None
     if _in_bucket(state):
-        if state.reshard_after_forward and state.config.unshard_in_backward:
+        if reshard and config.unshard_in_backward:
             return False, None  # inline: see "buckets in the graph" below
         return True, state._cast_output(_gathered_region_call(module, state, kwargs, user, metas))
     # The gather's inputs: each group's extra, then its shards (their metadata is read off the
@@ -1097,14 +1088,24 @@ def _region_call(
         if group.params:
             extras.append(_extra_of(group, _plan_of(group)))
             shards.extend(_shards(group))
-    reshard = state.reshard_after_forward
     names = tuple(kwargs)
     # int(): a plain constant (what dynamo keeps for the constant function's result has a
     # source that torch's reuse check cannot guard on).
     key = int(_region_key(state, reshard, (*metas, *names)))
     flat = (*names, *extras, *shards, *user)
     output = _block_region(key, module, reshard, len(args), len(names), *flat)
-    return True, output if policy.output_dtype is None else state._cast_output(output)
+    return True, state._cast_output(output) if cast_output else output
+
+
+@assume_constant_result
+def _region_options(state: FSDPState, config: GroupConfig) -> tuple[bool, bool, bool]:
+    """What a block's call reads of its options, in one constant call (``config``, the
+    state's, is passed so that dynamo guards on it, by identity, as :func:`_plan_for`'s):
+    whether it reshards after forward, casts its inputs, casts its output. Read field by
+    field in the traced code, each is a value for dynamo to build and guard, per block."""
+    policy = config.mp_policy
+    casts_inputs = policy.forward_input_dtype() is not None
+    return state.reshard_after_forward, casts_inputs, policy.output_dtype is not None
 
 
 # The releases the graph path has run on start here (2.13.0, 2.14.1). On 2.6.0 dynamo cannot
@@ -1113,7 +1114,6 @@ def _region_call(
 _GRAPH_PATH_SINCE = (2, 13)
 
 
-@assume_constant_result
 def _check_torch() -> bool:
     """Refuse, with the alternatives, a torch the graph path has not run on."""
     release = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -1145,7 +1145,10 @@ def _check_root_options(state: FSDPState, manual_finalization: bool) -> bool:
 
 @assume_constant_result
 def _initialized(state: FSDPState) -> bool:
-    """Run the root's lazy init eagerly, once, when dynamo first traces (a constant)."""
+    """Run the root's lazy init eagerly, once, when dynamo first traces (a constant), after
+    checking the torch release (here rather than in a constant call of its own: this one is
+    traced at every sharded module's call, and each constant call is a step for dynamo)."""
+    _check_torch()
     state.ensure_initialized()
     return True
 
@@ -1160,7 +1163,6 @@ def takes_graph_path(state: FSDPState) -> bool:
     graph. The other per-block orders (``block.compile()``, compiling before sharding) never
     trace this call and keep the eager hooks.
     """
-    _check_torch()
     _initialized(state)
     return state.root is not None
 
@@ -1189,7 +1191,7 @@ def graph_call(
             "block)"
         )
     config = state.groups[0].config
-    if _inside_run(state) and _in_regions(state, config.compile_region, *forward_hook_ids(module)):
+    if _inside_run(state) and _in_regions(state, config, *forward_hook_ids(module)):
         done, output = _region_call(module, state, config, args, kwargs)
         if done:
             return output

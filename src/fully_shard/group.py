@@ -306,6 +306,9 @@ class ParamGroup:
         self.modules = modules
         self.info = info
         self.config = config
+        # The configs this group has had, by value (module.py's _replace_config: set_* calls
+        # take an equal one back, so that the graph path may guard on identity).
+        self.configs_seen: dict[GroupConfig, GroupConfig] = {}
         # What the group moves (fully_shard.description), read at the first use after the
         # config (a set_* call replaces the object) or the shards changed, and the config it
         # was read from: both runtimes execute it.

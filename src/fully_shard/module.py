@@ -83,6 +83,26 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
+def _replace_config(group: ParamGroup, **changes: Any) -> None:
+    """Give ``group`` its config with ``changes``: the object it had before with the same
+    values if there is one, else a new one.
+
+    Why: equal options are then one object, and the graph path guards on that identity, one
+    guard per group (``fully_shard.graph._plan_for``): an option flipped back and forth
+    (``set_requires_gradient_sync`` per micro-batch) finds the graph traced for each value
+    again instead of recompiling at every flip. Each group keeps the configs it has had
+    (``ParamGroup.configs_seen``, strongly: dynamo drops a graph whose guarded object dies).
+    """
+    old = group.config
+    new = dataclasses.replace(old, **changes)
+    seen = group.configs_seen
+    try:
+        seen.setdefault(old, old)
+        group.config = seen.setdefault(new, new)
+    except TypeError:  # a field without a hash (a user's object): compiled graphs recompile
+        group.config = new
+
+
 class FSDPModule(nn.Module):
     """Mixin of every module ``fully_shard`` was applied to.
 
@@ -147,7 +167,7 @@ class FSDPModule(nn.Module):
     def _update_config(self, recurse: bool, **changes: Any) -> None:
         for module in self._fsdp_modules(recurse):
             for group in module._fsdp_state.groups:
-                group.config = dataclasses.replace(group.config, **changes)
+                _replace_config(group, **changes)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now, ahead of its forward.
@@ -636,9 +656,7 @@ class FSDPModule(nn.Module):
                     )
         for module in modules:
             for group in module._fsdp_state.groups:
-                group.config = dataclasses.replace(
-                    group.config, reduce_scatter_max_input_buffers=max_input_buffers
-                )
+                _replace_config(group, reduce_scatter_max_input_buffers=max_input_buffers)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -668,7 +686,7 @@ class FSDPModule(nn.Module):
                             list(ranks), use_local_synchronization=True
                         )
                     rs_group = created[ranks]
-                group.config = dataclasses.replace(group.config, reduce_scatter_group=rs_group)
+                _replace_config(group, reduce_scatter_group=rs_group)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Take the communication buffers from the process group's own allocator.

@@ -379,22 +379,36 @@ class ShardedParam:
         the sharded DTensor's ``.grad`` as the eager engine's reduction does. What keeps the
         alias true: the optimizer steps the DTensor in place (the same storage); ``_apply``
         replacing the shard makes the leaf again (:meth:`sync_with_module`).
+
+        The leaf requires a gradient exactly when the sharded parameter does, as of this call
+        (made at every trace): the traced code reads the trainable flag off the leaf, whose
+        guard dynamo keeps anyway (it is a graph input), instead of off the DTensor, which
+        dynamo would wrap and guard only to read one flag (see :func:`fully_shard.graph._local`;
+        :meth:`_take_graph_grad` turns it off when the parameter was frozen since).
         """
         local = self._local
         if self.graph_shard is None and (local.is_floating_point() or local.is_complex()):
-            leaf = local.detach().requires_grad_(True)
+            leaf = local.detach().requires_grad_(True)  # (a hook needs it; set below)
             # Public since torch 2.1; torch's stubs leave it untyped.
             leaf.register_post_accumulate_grad_hook(self._take_graph_grad)  # type: ignore[no-untyped-call]
             self.graph_shard = leaf
+        trainable = self.sharded_param.requires_grad
+        if self.graph_shard is not None and self.graph_shard.requires_grad != trainable:
+            self.graph_shard.requires_grad_(trainable)
 
     def _take_graph_grad(self, leaf: torch.Tensor) -> None:
         """A compiled backward's gradient of this rank's rows, moved onto the sharded
-        parameter (dropped if it was frozen since the forward, as autograd drops a frozen
-        leaf's)."""
+        parameter; dropped if the parameter was frozen since the graph was traced, as eager
+        leaves a frozen parameter without one, and the leaf frozen too, so that the next call
+        fails the leaf's guard and traces the parameter frozen (one step late: the graph
+        that computed this gradient has run)."""
         grad = leaf.grad
         leaf.grad = None
-        if grad is not None and self.sharded_param.requires_grad:
-            self.accumulate_sharded_grad(grad)
+        if self.sharded_param.requires_grad:
+            if grad is not None:
+                self.accumulate_sharded_grad(grad)
+        else:
+            leaf.requires_grad_(False)
 
     # -- the all-gather seam: what this parameter sends, and how it is rebuilt ---------------------
     #

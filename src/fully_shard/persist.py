@@ -221,21 +221,29 @@ class PersistentParam:
         (:mod:`fully_shard.graph`) reads while the parameter requires a gradient, a leaf over
         the local tensor's storage and version counter whose gradient (already all-reduced in
         the graph) its hook adds into ``sharded_param.grad``; a plain leaf for the reasons
-        :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard` gives."""
+        :meth:`~fully_shard.param.ShardedParam.ensure_graph_shard` gives, which also says why
+        the leaf's ``requires_grad`` follows the parameter's."""
         local = self._local
         if self.graph_local is None and (local.is_floating_point() or local.is_complex()):
-            leaf = local.detach().requires_grad_(True)
+            leaf = local.detach().requires_grad_(True)  # (a hook needs it; set below)
             # Public since torch 2.1; torch's stubs leave it untyped.
             leaf.register_post_accumulate_grad_hook(self._take_graph_grad)  # type: ignore[no-untyped-call]
             self.graph_local = leaf
+        trainable = self.sharded_param.requires_grad
+        if self.graph_local is not None and self.graph_local.requires_grad != trainable:
+            self.graph_local.requires_grad_(trainable)
 
     def _take_graph_grad(self, leaf: torch.Tensor) -> None:
-        """A compiled backward's all-reduced gradient, moved onto the ``Replicate`` parameter
-        (dropped if it was frozen since the forward, as autograd drops a frozen leaf's)."""
+        """A compiled backward's all-reduced gradient, moved onto the ``Replicate`` parameter;
+        dropped, and the leaf frozen, if the parameter was frozen since the trace (as
+        :meth:`~fully_shard.param.ShardedParam._take_graph_grad`)."""
         grad = leaf.grad
         leaf.grad = None
-        if grad is not None and self.sharded_param.requires_grad:
-            self.accumulate_grad(grad)
+        if self.sharded_param.requires_grad:
+            if grad is not None:
+                self.accumulate_grad(grad)
+        else:
+            leaf.requires_grad_(False)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make every slot (a tied parameter has several) show ``tensor``."""
