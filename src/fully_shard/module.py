@@ -99,7 +99,8 @@ def _replace_config(group: ParamGroup, **changes: Any) -> None:
     try:
         seen.setdefault(old, old)
         group.config = seen.setdefault(new, new)
-    except TypeError:  # a field without a hash (a user's object): compiled graphs recompile
+    except (TypeError, RuntimeError):  # a user's object without a hash, or one whose == is
+        # not a bool (tensors inside): no interning, compiled graphs recompile at each change
         group.config = new
 
 
