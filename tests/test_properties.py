@@ -20,6 +20,7 @@ the drawn ``LayoutCase`` / ``ParityCase``; rerun it alone with
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import FSDPModule, fully_shard
+from fully_shard.packing import pack_grad, pack_grads
 from harness import MAX_WORLD_SIZE, mesh_1d, run_distributed
 from models import MLPStack
 from parity import ParityStats, check_parity, make_float_batch
@@ -267,3 +269,54 @@ def test_any_grouping_of_any_mlp_trains_like_the_replica(case: ParityCase) -> No
     for rank, s in enumerate(stats):
         # Not a vacuous comparison: every trainable parameter saw a nonzero gradient.
         assert s["zero_grad_params"] == [], f"rank {rank}: gradients always zero"
+
+
+# -- packing ----------------------------------------------------------------------------------
+
+
+_PackItem = tuple[tuple[int, ...], int, "torch.Tensor | None"]
+
+
+@st.composite
+def pack_cases(draw: st.DrawFn) -> tuple[int, list[_PackItem], torch.dtype]:
+    """A world, parameters (shape, split dim, and a gradient: any dtype, contiguous or not,
+    or None) and the buffer's dtype."""
+    world = draw(st.integers(1, 4))
+    buffer_dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    params: list[_PackItem] = []
+    for i in range(draw(st.integers(1, 4))):
+        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+        dim = draw(st.integers(0, len(shape) - 1))
+        g: torch.Tensor | None = None
+        if draw(st.integers(0, 5)):
+            dtype = buffer_dtype if draw(st.integers(0, 3)) else torch.float32
+            g = torch.arange(math.prod(shape), dtype=dtype).add_(100 * i).reshape(shape)
+            if len(shape) > 1 and draw(st.integers(0, 3)) == 0:  # non-contiguous, same values
+                g = g.transpose(0, -1).contiguous().transpose(0, -1)
+        params.append((shape, dim, g))
+    return world, params, buffer_dtype
+
+
+@settings(max_examples=EXAMPLES * 5)
+@given(case=pack_cases())
+@example(  # the one-cat path: even dim-0 splits, contiguous, the buffer's dtype
+    (2, [((4, 3), 0, torch.arange(12.0).view(4, 3)), ((2,), 0, torch.ones(2))], torch.float32)
+)
+def test_packing_gradients_together_writes_what_packing_each_writes(
+    case: tuple[int, list[_PackItem], torch.dtype],
+) -> None:
+    """``pack_grads`` (one ``torch.cat`` for the usual even dim-0 split) writes the same
+    bytes as one ``pack_grad`` per gradient, whatever falls back."""
+    world, params, dtype = case
+    items, total = [], 0
+    for shape, dim, g in params:
+        chunk = -(-shape[dim] // world)  # torch.chunk's rows per rank
+        numel = chunk * math.prod(s for d, s in enumerate(shape) if d != dim)
+        items.append((total, numel, g, dim, chunk))
+        total += numel
+    together = torch.full((world, total), float("nan"), dtype=dtype)
+    one_by_one = together.clone()
+    pack_grads(together, items)
+    for off, numel, g, dim, chunk in items:
+        pack_grad(one_by_one[:, off : off + numel], g, dim, chunk)
+    assert torch.equal(together, one_by_one)

@@ -50,7 +50,7 @@ from .collectives import Waitable, comm_key, divide_
 from .description import GroupDescription, offsets
 from .group import GroupState, ParamGroup, SharedReduce
 from .observer import JOB_WIDE, CollectiveCall, issue_observed
-from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grad
+from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grads
 from .param import ShardedParam
 
 MIB = 1024 * 1024  # DDP's bucket_cap_mb unit
@@ -346,14 +346,18 @@ def _gather(members: list[ParamGroup], async_op: bool) -> None:
         output = allocate_buffer(_allocator(members[0]), world * total, wire, first.device)
         rows = output.view(world, total)  # (W, total): row r is rank r's input
         mine = rows[first.rank]
-        start = 0
-        for d, sent in zip(descs, inputs, strict=True):
-            slot = mine.narrow(0, start, d.gather_total)
-            if sent.whole is not None:
-                torch.cat(sent.whole, out=slot)  # copy_in's own shortcut
-            else:
-                copy_in(slot, sent.flat)
-            start += d.gather_total
+        if all(sent.whole is not None for sent in inputs):
+            # Every member's shards fill their slots: the whole bucket's copy-in is one cat.
+            torch.cat([t for sent in inputs for t in sent.whole or ()], out=mine)
+        else:
+            start = 0
+            for d, sent in zip(descs, inputs, strict=True):
+                slot = mine.narrow(0, start, d.gather_total)
+                if sent.whole is not None:
+                    torch.cat(sent.whole, out=slot)  # copy_in's own shortcut
+                else:
+                    copy_in(slot, sent.flat)
+                start += d.gather_total
     finally:
         set_grad_enabled(grad_was)
     comm, group = members[0].comm, first.shard_group
@@ -389,11 +393,13 @@ def _pack(
     grad_was = torch.is_grad_enabled()
     set_grad_enabled(False)  # a create_graph backward's gradients: copied, not recorded
     try:
+        items = []
         for group, packed, starts in layout:
             slots = group.description.slots
             for (i, g), off in zip(packed, starts, strict=True):
                 s = slots[i]
-                pack_grad(columns[:, off : off + s.padded_numel], g, s.dim, s.chunk)
+                items.append((off, s.padded_numel, g, s.dim, s.chunk))
+        pack_grads(columns, items)
     finally:
         set_grad_enabled(grad_was)
     members = [(g, [g.params[i] for i, _ in packed], starts) for g, packed, starts in layout]

@@ -57,7 +57,7 @@ from .packing import (
     allocate_buffer,
     copy_in,
     copy_out,
-    pack_grad,
+    pack_grads,
     split_sizes,
     whole_inputs,
     wire_dtype,
@@ -909,9 +909,14 @@ class ParamGroup:
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(False)  # a create_graph backward's gradients: copied, not recorded
         try:
-            for (i, g), off in zip(packed, starts, strict=True):
-                slot = desc.slots[i]
-                pack_grad(columns[:, off : off + slot.padded_numel], g, slot.dim, slot.chunk)
+            slots = desc.slots
+            pack_grads(
+                columns,
+                [
+                    (off, slots[i].padded_numel, g, slots[i].dim, slots[i].chunk)
+                    for (i, g), off in zip(packed, starts, strict=True)
+                ],
+            )
         finally:
             set_grad_enabled(grad_was)
         return flat_in, starts, total

@@ -174,6 +174,41 @@ def typed_block(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return typed
 
 
+def pack_grads(
+    columns: torch.Tensor, items: Sequence[tuple[int, int, torch.Tensor | None, int, int]]
+) -> None:
+    """Write several gradients into their column blocks of a ``(W, total)`` reduce-scatter
+    input: ``items`` are ``(offset, padded_numel, grad, dim, chunk)``, each as
+    :func:`pack_grad` takes it.
+
+    When the blocks tile ``columns`` in order and every gradient is an even dim-0 split,
+    contiguous, in the buffer's dtype (the usual case), row r of each block is the gradient's
+    rows ``[r * chunk, (r + 1) * chunk)`` flattened, so ``torch.cat`` of the gradients viewed
+    ``(W, -1)`` along dim 1 writes them all in one call, the same bytes as one copy each.
+    """
+    world, total = columns.size(0), columns.size(1)
+    views = []
+    end = 0
+    for off, numel, grad, dim, chunk in items:
+        if (
+            grad is None
+            or off != end
+            or dim != 0
+            or grad.dtype != columns.dtype
+            or grad.size(0) != chunk * world
+            or not grad.is_contiguous()
+        ):
+            break
+        views.append(grad.view(world, -1))
+        end += numel
+    else:
+        if end == total and views:
+            torch.cat(views, dim=1, out=columns)
+            return
+    for off, numel, grad, dim, chunk in items:
+        pack_grad(columns[:, off : off + numel], grad, dim, chunk)
+
+
 def pack_grad(block: torch.Tensor, grad: torch.Tensor | None, dim: int, chunk: int) -> None:
     """Write one parameter's full gradient into its column block of the reduce-scatter input.
 
