@@ -1,6 +1,7 @@
 """Properties: for any shapes, world size, grouping and options, sharding is exact.
 
-Two properties, each drawn by hypothesis and each example run as ONE distributed job:
+Three properties, each drawn by hypothesis; each example of the first two runs as ONE
+distributed job:
 
 - **Layout.** A few parameters of random shapes (dims of 0, 1, primes, smaller than W), each
   sharded on a random dim: every rank's ``to_local()`` is its `torch.chunk` piece of the full
@@ -11,6 +12,9 @@ Two properties, each drawn by hypothesis and each example run as ONE distributed
   the root is always sharded), random ``reshard_after_forward`` per call, random frozen
   parameters and random 2-D weights sharded on dim 1 train like an unsharded replica
   (`parity.check_parity`, 3 AdamW steps).
+- **Packing** (one process). Gradients of random shapes, split dims, dtypes and layouts, some
+  missing: ``pack_grads`` writes the bytes one ``pack_grad`` per gradient writes, so its
+  one-``torch.cat`` path and its fallback agree.
 
 The "ci" profile (conftest.py) is derandomized: the same examples every run. A failure prints
 the drawn ``LayoutCase`` / ``ParityCase``; rerun it alone with
@@ -33,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import FSDPModule, fully_shard
+from fully_shard.layout import split_rows
 from fully_shard.packing import pack_grad, pack_grads
 from harness import MAX_WORLD_SIZE, mesh_1d, run_distributed
 from models import MLPStack
@@ -310,7 +315,7 @@ def test_packing_gradients_together_writes_what_packing_each_writes(
     world, params, dtype = case
     items, total = [], 0
     for shape, dim, g in params:
-        chunk = -(-shape[dim] // world)  # torch.chunk's rows per rank
+        chunk = split_rows(shape[dim], world).chunk
         numel = chunk * math.prod(s for d, s in enumerate(shape) if d != dim)
         items.append((total, numel, g, dim, chunk))
         total += numel
