@@ -189,6 +189,14 @@ def _pack_grads(
 ) -> torch.Tensor:
     """The full gradients of ``members`` as one ``(W * total,)`` buffer, rank by rank, in the
     reduce dtype (zeros for a member without a gradient), as the eager engine packs them."""
+    return _pack(_ranked_grads(plan, grads, members), plan.world, plan.reduce_dtype)
+
+
+def _ranked_grads(
+    plan: GroupDescription, grads: tuple[torch.Tensor | None, ...], members: list[int]
+) -> list[torch.Tensor]:
+    """Each of ``members``' full gradients as ``(W, padded_numel)`` (zeros for a member
+    without one): :func:`_pack_grads`'s parts."""
     cols = []
     for i in members:
         g, p = grads[i], plan.slots[i]
@@ -197,7 +205,7 @@ def _pack_grads(
             cols.append(torch.zeros(shape, dtype=plan.reduce_dtype, device=plan.device))
         else:
             cols.append(_ranked(g, p))
-    return _pack(cols, plan.world, plan.reduce_dtype)
+    return cols
 
 
 def _pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1386,7 +1394,10 @@ class _GatherBucket(torch.autograd.Function):
         kept = iter(ctx.saved_tensors)
         extras: list[torch.Tensor | None] = [None] * n
         out: list[torch.Tensor | None] = [None] * len(grads)
-        columns, landing = [], []  # each group's (W, total) packed gradients; where they go
+        # Each group's ranked gradients (W, padded_numel) and what its earlier passes kept;
+        # where the reduced rows go.
+        parts: list[tuple[list[torch.Tensor], torch.Tensor | None]] = []
+        landing = []
         start = 0
         for j, plan in enumerate(plans):
             mine = grads[start : start + len(plan.slots)]
@@ -1398,13 +1409,21 @@ class _GatherBucket(torch.autograd.Function):
                 whole = k is not None or plan.reduce_unused
                 members = trainable if whole else [i for i in trainable if mine[i] is not None]
                 if members:
-                    flat = _pack_grads(plan, mine, members)
-                    flat = flat if k is None else flat + k
-                    columns.append(flat.view(plan.world, -1))
+                    parts.append((_ranked_grads(plan, mine, members), k))
                     landing.append((plan, start, members))
             start += len(plan.slots)
-        if columns:
-            flat = _reduce_flat(first, torch.cat(columns, dim=1).reshape(-1))
+        if parts:
+            world, dtype = first.world, first.reduce_dtype  # alike in a run (reduce_key)
+            if all(k is None for _, k in parts):
+                # One packing call for the whole run: each is a Python call at every step.
+                packed = _pack([c for cols, _ in parts for c in cols], world, dtype)
+            else:
+                columns = []
+                for cols, k in parts:
+                    flat = _pack(cols, world, dtype)
+                    columns.append((flat if k is None else flat + k).view(world, -1))
+                packed = torch.cat(columns, dim=1).reshape(-1)
+            flat = _reduce_flat(first, packed)
             sizes = [plan.slots[i].padded_numel for plan, _, members in landing for i in members]
             pieces = iter(torch.split(flat, sizes))
             for plan, at, members in landing:
