@@ -16,6 +16,7 @@ import copy
 import functools
 import itertools
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -290,6 +291,46 @@ def _grads_accumulate() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_grads_are_sharded_dtensors_that_accumulate(world: int) -> None:
     run_distributed(_grads_accumulate, world)
+
+
+def _python_calls(fn: Any) -> int:
+    """Python functions entered while ``fn()`` runs (``sys.setprofile``'s ``call`` events)."""
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _second_model_steps_like_the_first() -> None:
+    # DTensor's sharding-propagation cache compares the specs of a hit in Python unless they
+    # are the objects it stored: a second model of the same layout (a reference model, EMA
+    # weights) must step its optimizer at the first one's cost.
+    steps = []
+    for _ in range(2):
+        model, _, _ = _setup()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+        steps.append((model, opt))
+    _, x = _batch()
+    counts = []
+    for model, opt in steps:
+        for _ in range(2):  # the first step fills the caches
+            _loss(model(x)).backward()
+            calls = _python_calls(opt.step)
+            opt.zero_grad()
+        counts.append(calls)
+    _expect("Python calls in optimizer.step(), first and second model", counts[1], counts[0])
+
+
+def test_a_second_model_of_one_layout_steps_at_the_first_ones_cost() -> None:
+    run_distributed(_second_model_steps_like_the_first, 2)
 
 
 # -- memory -----------------------------------------------------------------------------------
