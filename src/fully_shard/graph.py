@@ -250,9 +250,10 @@ def _register_pack() -> None:
     torch.library.define(name, "(Tensor[] parts, int world, ScalarType dtype) -> Tensor")
 
     def pack(parts: list[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
-        if all(t.dtype is dtype and t.ndim == 2 and t.shape[0] == world for t in parts):
+        if all([t.dtype is dtype and t.ndim == 2 and t.shape[0] == world for t in parts]):
             # The gradients, ranked (W, padded_numel) already: no reshape and no cast a part
-            # (two dispatcher calls each, against attribute reads).
+            # (two dispatcher calls each, against attribute reads; a list, not a generator
+            # resumed once a part).
             return torch.cat(parts, dim=1).reshape(-1)
         return torch.cat([t.reshape(world, -1).to(dtype) for t in parts], dim=1).reshape(-1)
 
