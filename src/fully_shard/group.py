@@ -1000,8 +1000,9 @@ class ParamGroup:
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(False)  # as _accumulate, without its generator's calls
         try:
+            base = int(output.storage_offset())  # eager: a plain int
             for p, off in zip(pending.params, pending.offsets, strict=True):
-                p.accumulate_sharded_grad(p.local_grad_from(output[off : off + p.padded_numel]))
+                p.accumulate_sharded_grad(p.local_grad_from(output, base + off))
         finally:
             set_grad_enabled(grad_was)
 
@@ -1066,8 +1067,9 @@ class ParamGroup:
         self, params: list[ShardedParam], output: torch.Tensor, starts: list[int]
     ) -> None:
         """Add each of ``params``' reduced rows (at ``starts`` in ``output``) into its grad."""
+        base = int(output.storage_offset())  # eager: a plain int
         self._accumulate(
-            (p, p.local_grad_from(output[off : off + p.padded_numel]))
+            (p, p.local_grad_from(output, base + off))
             for p, off in zip(params, starts, strict=True)
         )
 

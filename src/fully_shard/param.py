@@ -153,6 +153,10 @@ class ShardedParam:
         self._padded_shard_size = self.layout.padded_shard_size
         # Elements of one padded shard: what every rank sends for this parameter.
         self.padded_numel: int = self._padded_shard_size.numel()
+        # Split on dim 0, this rank's rows are the first elements of its padded shard: its
+        # gradient is one as_strided view of the reduce-scatter's output (local_grad_from).
+        local_size = self.layout.local_size
+        self._grad_view = (local_size, contiguous_stride(local_size)) if shard_dim == 0 else None
 
         # The DTensor layout of the shard and its gradient, per dtype (model.to(dtype) adds one).
         self._spec: dict[torch.dtype, object] = {}
@@ -556,9 +560,16 @@ class ShardedParam:
         grad = self.take_unsharded_grad()
         self.unsharded_accumulated_grad = None if grad is None else grad.to(dtype)
 
-    def local_grad_from(self, reduced: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the gradient out of its reduce-scatter slice ``(padded_numel,)``."""
-        rows = reduced.view(self._padded_shard_size).narrow(
-            self.shard_dim, 0, self.layout.local_rows
+    def local_grad_from(self, output: torch.Tensor, at: int) -> torch.Tensor:
+        """This rank's rows of the gradient, out of the contiguous reduce-scatter ``output``
+        whose storage holds this parameter's ``padded_numel`` elements from offset ``at``."""
+        view = self._grad_view
+        if view is not None:  # one C call, against four for the slice, view and narrow below
+            return output.as_strided(view[0], view[1], at)
+        start = at - output.storage_offset()
+        rows = (
+            output[start : start + self.padded_numel]
+            .view(self._padded_shard_size)
+            .narrow(self.shard_dim, 0, self.layout.local_rows)
         )
         return rows if rows.is_contiguous() else rows.contiguous()
