@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_train import SIZES, Llama, _free_port, init_rank, make_batches
+from bench_train import SIZES, Llama, _free_port, init_rank, make_batches, own_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -165,10 +165,10 @@ def _rank_main(rank: int, cfg: Config, port: int, out_path: str) -> None:
     job = init_rank(rank, cfg.world, "cpu", "gloo", port, timedelta(minutes=30))  # C++
     counts = {"graphs": 0, "region_calls": 0, "region_bodies": 0}
     batches = _batches(cfg, rank, cfg.steps + 1)
-    model, optim = build(cfg, cfg.impl, job.mesh, counts)
+    model, optim = build(cfg, cfg.impl, own_mesh(job.mesh, cfg.impl), counts)
     first = _timed(lambda: _step(cfg, model, optim, batches[0]))
     first_counts = dict(counts)
-    eager, eager_optim = build(cfg, "ours", job.mesh, {"graphs": 0})
+    eager, eager_optim = build(cfg, "ours", own_mesh(job.mesh, "ours"), {"graphs": 0})
     _step(cfg, eager, eager_optim, batches[0])  # its lazy init
     times: dict[str, list[float]] = {"compiled": [], "eager": []}
     for i, batch in enumerate(batches[1:]):

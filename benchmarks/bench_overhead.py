@@ -45,11 +45,10 @@ every backward hook. "Python calls" are the ``call`` events (what issue 48 count
 counts both kinds), reported beside the ``c_call`` events. ``optimizer.step()`` and
 ``zero_grad()`` are counted apart within the same step. "per group" divides a step's Python
 calls by the number of groups (blocks + 1); "over floor per group" first subtracts the floor's
-(plain or DDP). ``step()``'s count depends on the order the models were built in, not on the
-implementation: the models have the same shapes, and DTensor's sharding-propagation cache (in
-C++, keyed by value) finds the first-built model's specs for every later one and compares them
-in Python (``DTensorSpec.__eq__``), ~290 more calls for any model but the first (``ours``,
-built first, shows 250; ``ours-buckets`` and torch's, built after it, 538; swapped, swapped).
+(plain or DDP). Each implementation builds its model on a mesh of its own name
+(``bench_train.own_mesh``): DTensor's sharding-propagation cache would otherwise find a later
+model's parameter specs equal to an earlier one's and compare them in Python at every hit,
+which cost the second model built (whichever it was) ~290 more Python calls per ``step()``.
 
 ``--profile N`` also prints, for rank 0, the ``N`` functions with the most own time in one step
 of ``ours`` (cProfile), the list a cut of the fixed cost starts from.
@@ -87,7 +86,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_train import _free_port, _percentile, init_rank
+from bench_train import _free_port, _percentile, init_rank, own_mesh
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -351,7 +350,7 @@ def _rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
     job = init_rank(rank, opts.world, "cpu", "gloo", port, timedelta(minutes=10))  # host
     try:
         data = _batches(opts, rank, opts.warmup + opts.steps + 2)
-        runs = {impl: build(impl, opts, job.mesh) for impl in opts.impls}
+        runs = {impl: build(impl, opts, own_mesh(job.mesh, impl)) for impl in opts.impls}
         times, cpu, losses = _time_interleaved(opts, runs, data)
         calls = {}
         for impl in opts.impls:  # the step after the timed ones, on every rank alike

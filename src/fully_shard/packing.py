@@ -154,13 +154,15 @@ def copy_out(
 ) -> None:
     """Scatter the all-gather output into each input's ``(W, numel)`` destination.
 
-    ``gathered`` is ``(W * total,)``; viewed ``(W, total)``, column block i belongs to
+    ``gathered`` is ``(W * total,)`` or ``(W, total)``; as the latter, column block i belongs to
     input i. One ``split_with_sizes_copy`` moves them all. A ``uint8`` buffer (mixed dtypes)
     is copied into each destination viewed as bytes.
     """
     if gathered.dtype == torch.uint8:
         outs = [o if o.dtype == torch.uint8 else o.view(torch.uint8) for o in outs]
-    torch.split_with_sizes_copy(gathered.view(world, -1), list(split_numels), dim=1, out=list(outs))
+    if gathered.ndim != 2:  # a bucket hands each group its (W, total) columns already
+        gathered = gathered.view(world, -1)
+    torch.split_with_sizes_copy(gathered, list(split_numels), dim=1, out=list(outs))
 
 
 def typed_block(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
