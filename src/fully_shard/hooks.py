@@ -785,7 +785,13 @@ class FSDPState:
                 if g.observers is not g.unwatched or g.labels.open or profiler_enabled():
                     g.begin("backward")
             if group.config.unshard_in_backward:
-                self._unshard_now()
+                if self.several:
+                    self._unshard_now()
+                else:  # _unshard_now for one group, inline (once per group per backward)
+                    if group.state is GroupState.SHARDED:
+                        group.unshard(async_op=False)
+                    if group.state is GroupState.UNSHARDING:
+                        group.wait_for_unshard()
             targets = self.backward_prefetch
             if targets is None:
                 targets = self._next_in_backward
@@ -909,7 +915,15 @@ class FSDPState:
                 for reducing in ctx.it.reducing:
                     if reducing not in groups:
                         reducing.finish_reduce()
-                self._reduce_grads()
+                if (
+                    self.several
+                    or group.observers is not group.unwatched
+                    or group.labels.open
+                    or profiler_enabled()
+                ):
+                    self._reduce_grads()  # inside its spans
+                else:
+                    group.reduce_grads()  # no span to open: _reduce_grads' one call
                 if self.several:
                     ctx.it.reducing = tuple(g for g in groups if g.has_pending_reduce())
                 else:
