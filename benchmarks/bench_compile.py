@@ -21,17 +21,25 @@ Implementations (``--impls``):
 * ``ours-graph-inline``: the same with ``model.set_compile_region(False)``: every block traced
   and lowered anew (the one graph before regions);
 * ``fsdp2-compiled``: torch's ``fully_shard`` in torchtitan's order, each block
-  ``torch.compile(block, fullgraph=True)`` and then sharded (its hooks run eagerly).
+  ``torch.compile(block, fullgraph=True)`` and then sharded (its hooks run eagerly);
+* ``ours-blocks``: ours in the same order: each block compiled, then sharded, our hooks eager
+  between the blocks' graphs and the root's own layers not compiled (what it compiles is what
+  ``fsdp2-compiled`` compiles).
 
 Reported per configuration: the first step, the compiled step (median of ``--steps``) beside
 our eager step in the same process, the graphs the backend compiled, and for ours the regions
 in the traced graph (``invoke_subgraph`` calls, distinct bodies). The load average of the
 machine before and after each configuration is printed beside it: on a shared machine it
 moves compile times more than anything else, so compare rows measured under similar load.
-The last line printed is one JSON object with every number.
+The last line printed is one JSON object with every number. ``--repeat N`` runs every
+configuration ``N`` times, in turns, and prints each configuration's median first step and
+its ratio to torch's order on the same model: a first step is mostly C++ builds, which move
+it by a second or two from run to run.
 
 Example:
     $ python benchmarks/bench_compile.py --model blocks --depth 12,48 --nproc 1
+    $ python benchmarks/bench_compile.py --model blocks --depth 12,48 --nproc 1 --repeat 3 \
+        --impls ours-graph,fsdp2-compiled
     $ python benchmarks/bench_compile.py --model llama --size small,medium --nproc 2
 """
 
@@ -61,7 +69,7 @@ from torch.multiprocessing.spawn import spawn
 
 import fully_shard as fs
 
-IMPLS = ("ours-graph", "ours-graph-inline", "fsdp2-compiled")
+IMPLS = ("ours-graph", "ours-graph-inline", "fsdp2-compiled", "ours-blocks")
 WIDTH = 16  # the blocks model's width, as bench_overhead's
 
 
@@ -107,10 +115,12 @@ def build(
     model: nn.Module = _blocks(cfg.depth) if cfg.model == "blocks" else Llama(SIZES[cfg.size])
     blocks: nn.Module = model if cfg.model == "blocks" else model.layers
     backend = _counting_backend(cfg.backend, counts)
+    per_block = impl in ("fsdp2-compiled", "ours-blocks")
     for i, block in enumerate(list(blocks)):
-        if impl == "fsdp2-compiled":  # torchtitan's order: compile each block, then shard
+        if per_block:  # torchtitan's order: compile each block, then shard
             block = torch.compile(block, backend=backend, fullgraph=True)
             blocks[i] = block  # type: ignore[index]
+        if impl == "fsdp2-compiled":
             torch_fully_shard(block, mesh=mesh)
         else:
             fs.fully_shard(block, mesh=mesh)
@@ -232,6 +242,27 @@ def print_row(r: dict[str, Any]) -> None:
     )
 
 
+def print_medians(results: list[dict[str, Any]]) -> None:
+    """Per configuration, the median first step of its runs and, beside ``fsdp2-compiled`` on
+    the same model, the ratio of the medians (the C++ builds of a first step move it by a
+    second or two from run to run, a tenth of it: one run each does not settle 1.2x)."""
+    firsts: dict[tuple[str, int, str], list[float]] = {}
+    for r in results:
+        cfg = r["config"]
+        firsts.setdefault((cfg["model"], cfg["depth"], cfg["impl"]), []).append(r["first_step_s"])
+    print("median first step (s), each configuration's runs:")
+    for (model, depth, impl), xs in firsts.items():
+        median = statistics.median(xs)
+        torch_order = firsts.get((model, depth, "fsdp2-compiled"))
+        ratio = (
+            f"  {median / statistics.median(torch_order):.2f}x torch's order"
+            if torch_order and impl != "fsdp2-compiled"
+            else ""
+        )
+        runs = ", ".join(f"{x:.1f}" for x in xs)
+        print(f"  {model} {depth:<4} {impl:<18} {median:6.1f} [{runs}]{ratio}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("blocks", "llama"), default="blocks")
@@ -242,6 +273,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     parser.add_argument("--nproc", type=int, default=1, help="ranks (gloo on CPU)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the first")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every configuration this many times, in turns; report the median first step",
+    )
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -263,11 +300,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()}", flush=True)
     results = []
-    for shape in shapes:
-        for impl in impls:
-            result = run_config(replace(shape, impl=impl))
-            print_row(result)
-            results.append(result)
+    for _ in range(args.repeat):  # in turns: a slow minute falls on every configuration
+        for shape in shapes:
+            for impl in impls:
+                result = run_config(replace(shape, impl=impl))
+                print_row(result)
+                results.append(result)
+    if args.repeat > 1:
+        print_medians(results)
     summary = json.dumps(results)
     if args.json_out is not None:
         args.json_out.write_text(summary)

@@ -373,7 +373,8 @@ def test_bench_quant_loss_summarizes_each_config_over_seeds(
 def test_bench_compile_counts_regions_per_configuration(tmp_path: Path) -> None:
     """Each configuration in its own process (no pool: that is the point of the script);
     aot_eager, two blocks: the regions are counted, ours compiles one graph, torch's order
-    compiles each block, nothing recompiles after the first step."""
+    compiles each block and so does ours in that order, nothing recompiles after the first
+    step."""
     out = tmp_path / "compile.json"
     subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_compile.py"), "--depth", "3", "--steps", "1",
@@ -381,11 +382,14 @@ def test_bench_compile_counts_regions_per_configuration(tmp_path: Path) -> None:
         check=True, timeout=JOB_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )  # fmt: skip
     rows = {r["config"]["impl"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"ours-graph", "ours-graph-inline", "fsdp2-compiled"}
+    assert set(rows) == {"ours-graph", "ours-graph-inline", "fsdp2-compiled", "ours-blocks"}
     # The first block's input needs no gradient: inlined (a region called once); the other
     # two share one region.
     assert (rows["ours-graph"]["region_bodies"], rows["ours-graph"]["region_calls"]) == (1, 2)
     assert rows["ours-graph-inline"]["region_calls"] == 0
+    # torchtitan's order, ours and torch's alike: each block's own graphs, no region.
+    assert rows["ours-blocks"]["region_calls"] == rows["fsdp2-compiled"]["region_calls"] == 0
+    assert rows["ours-blocks"]["graphs"] == rows["fsdp2-compiled"]["graphs"]
     assert rows["ours-graph"]["graphs"] == rows["ours-graph-inline"]["graphs"] == 1
     for r in rows.values():
         assert r["first_step_s"] > 0 and r["step_ms"] > 0 and r["eager_step_ms"] > 0
