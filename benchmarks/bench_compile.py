@@ -115,19 +115,13 @@ def build(
     model: nn.Module = _blocks(cfg.depth) if cfg.model == "blocks" else Llama(SIZES[cfg.size])
     blocks: nn.Module = model if cfg.model == "blocks" else model.layers
     backend = _counting_backend(cfg.backend, counts)
-    per_block = impl in ("fsdp2-compiled", "ours-blocks")
+    shard: Any = torch_fully_shard if impl == "fsdp2-compiled" else fs.fully_shard
     for i, block in enumerate(list(blocks)):
-        if per_block:  # torchtitan's order: compile each block, then shard
+        if impl in ("fsdp2-compiled", "ours-blocks"):  # torchtitan's order: compile, then shard
             block = torch.compile(block, backend=backend, fullgraph=True)
             blocks[i] = block  # type: ignore[index]
-        if impl == "fsdp2-compiled":
-            torch_fully_shard(block, mesh=mesh)
-        else:
-            fs.fully_shard(block, mesh=mesh)
-    if impl == "fsdp2-compiled":
-        torch_fully_shard(model, mesh=mesh)
-    else:
-        fs.fully_shard(model, mesh=mesh)
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
     if impl == "ours-graph-inline":
         model.set_compile_region(False)  # type: ignore[operator]
     if cfg.model == "blocks":

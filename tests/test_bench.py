@@ -372,7 +372,7 @@ def test_bench_quant_loss_summarizes_each_config_over_seeds(
 @pytest.mark.skipif("fresh" not in LAUNCHERS, reason="a process per configuration (nox -s soak)")
 def test_bench_compile_counts_regions_per_configuration(tmp_path: Path) -> None:
     """Each configuration in its own process (no pool: that is the point of the script);
-    aot_eager, two blocks: the regions are counted, ours compiles one graph, torch's order
+    aot_eager, three blocks: the regions are counted, ours compiles one graph, torch's order
     compiles each block and so does ours in that order, nothing recompiles after the first
     step."""
     out = tmp_path / "compile.json"
