@@ -144,7 +144,10 @@ def test_fully_shard_never_imports_torch_fsdp() -> None:
     recognised whatever the user imported, in whichever order.)"""
     src = Path(ours.__file__).parent
     pattern = re.compile(r"^\s*(from|import)\s+torch\.distributed\.(fsdp|_composable)", re.M)
-    offenders = [p.name for p in src.glob("*.py") if pattern.search(p.read_text())]
+    # every module, the subpackages' (plan/, optim/) too
+    offenders = [
+        str(p.relative_to(src)) for p in src.rglob("*.py") if pattern.search(p.read_text())
+    ]
     assert offenders == []
     script = "import sys, fully_shard; print('torch.distributed.fsdp' in sys.modules)"
     out = subprocess.run(
