@@ -445,8 +445,13 @@ class SoftMoE(nn.Module):
             mesh = w_in.device_mesh
             h_in = DTensor.from_local(h_in, mesh, [Replicate()] * mesh.ndim, run_check=False)
             g_in = DTensor.from_local(g_in, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        h = F.gelu(torch.einsum("nd,edh->neh", h_in, w_in))
-        y = torch.einsum("ne,ned->nd", g_in, torch.einsum("neh,ehd->ned", h, self.w_out))
+        # Batched matmuls over the experts, never a view that merges the expert dim with
+        # another: on a 2-D (ep, etp) mesh DTensor's first sharding propagation of such a view
+        # (what einsum's backward makes) took seconds per op.
+        every = h_in.expand(w_in.shape[0], *h_in.shape)  # each expert's copy: (experts, n, dim)
+        h = F.gelu(torch.bmm(every, w_in))  # (experts, n, hidden)
+        out = torch.bmm(h, self.w_out)  # (experts, n, dim)
+        y = (g_in.transpose(0, 1).unsqueeze(-1) * out).sum(0)  # weighted over experts: (n, dim)
         if isinstance(y, DTensor):
             y = y.redistribute(placements=[Replicate()] * y.device_mesh.ndim).to_local()
         y = y.to(x.dtype)
