@@ -14,10 +14,10 @@ import json
 import os
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -45,6 +45,7 @@ from harness import mesh_1d, run_distributed
 from models import ModelArgs, Transformer
 
 TOLERANCE = 0.10  # the issue's bar: prediction within 10% of the measurement
+T = TypeVar("T")
 
 
 class _Tracker(MemTracker):
@@ -162,27 +163,41 @@ def _train(model: nn.Module, spec: dict[str, Any], steps: int) -> list[float]:
     return losses
 
 
-def _budgets_between(spec: dict[str, Any], wheres: Sequence[float], **kw: Any) -> list[int]:
+def _on_rank_0(make: Callable[[], T]) -> T:
+    """``make()`` on rank 0, sent to every rank. A plan reads only the mesh's sizes, the same on
+    every rank, and the ranks share the cores: one rank plans, the others wait."""
+    box: list[Any] = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return cast(T, box[0])  # what rank 0 made, unpickled
+
+
+def _budgets(spec: dict[str, Any], wheres: Sequence[float], **kw: Any) -> list[int]:
     """Budgets each ``where`` of the way from the feasible minimum to the unconstrained peak
     (two plans, each traced anew, however many budgets). Both are the largest over the ranks,
-    the same on every rank: rank 0 plans them and sends them (the ranks share the cores)."""
-    bounds: list[Any] = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            _plan(spec, 1, **kw)
-        except PlanInfeasibleError as e:
-            bounds[0] = e.minimum_bytes
-        bounds[1] = _plan(spec, "1TiB", **kw).peak_bytes
-    dist.broadcast_object_list(bounds, src=0)
-    low, high = bounds
+    the same on every rank."""
+    try:
+        _plan(spec, 1, **kw)
+    except PlanInfeasibleError as e:
+        low = e.minimum_bytes
+    high = _plan(spec, "1TiB", **kw).peak_bytes
     return [int(low + where * (high - low)) for where in wheres]
+
+
+def _planned_between(spec: dict[str, Any], where: float, **kw: Any) -> tuple[Plan, int]:
+    """On every rank: (the plan, its budget) for the budget ``where`` of the way from the
+    feasible minimum to the unconstrained peak, planned on rank 0."""
+
+    def make() -> tuple[Plan, int]:
+        (budget,) = _budgets(spec, [where], **kw)
+        return _plan(spec, budget, **kw), budget
+
+    return _on_rank_0(make)
 
 
 def _measure(spec: dict[str, Any], where: float, **kw: Any) -> tuple[int, int, int, str]:
     """On each rank: (predicted peak, measured peak, budget, the plan's table); ``kw``: more
     arguments of ``plan``."""
-    (budget,) = _budgets_between(spec, [where], **kw)
-    p = _plan(spec, budget, **kw)
+    p, budget = _planned_between(spec, where, **kw)
     model = p.apply(_build(spec), mesh_1d())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tracker = _Tracker()
@@ -265,13 +280,13 @@ def _measure_kept(spec: dict[str, Any], threshold: int) -> tuple[int, int, int, 
     """Kept-whole parameters: the default configuration under a budget that is its predicted
     peak exactly. On each rank: (predicted, predicted without the threshold, measured,
     budget, kept-whole parameters in the engine, the table)."""
-    bounds: list[Any] = [None, None]
-    if dist.get_rank() == 0:  # the ranks share the cores: one plans the budget
-        bounds[0] = _plan(spec, "1TiB", allow=(), param_persistence_threshold=threshold).peak_bytes
-        bounds[1] = _plan(spec, "1TiB", allow=()).rank_peaks
-    dist.broadcast_object_list(bounds, src=0)
-    budget, blind = bounds
-    p = _plan(spec, budget, allow=(), param_persistence_threshold=threshold)
+
+    def make() -> tuple[int, list[int], Plan]:
+        budget = _plan(spec, "1TiB", allow=(), param_persistence_threshold=threshold).peak_bytes
+        blind = _plan(spec, "1TiB", allow=()).rank_peaks
+        return budget, blind, _plan(spec, budget, allow=(), param_persistence_threshold=threshold)
+
+    budget, blind, p = _on_rank_0(make)
     model = p.apply(_build(spec), mesh_1d())
     kept = sum(
         len(g.persistent)
@@ -368,13 +383,13 @@ def _measure_buckets(
     peak with the smallest of ``caps`` exactly. On each rank: (predicted, predicted without
     buckets, measured, budget, the chosen cap, the planned and the engine's bucket sizes,
     the table)."""
-    bounds: list[Any] = [None, None]
-    if dist.get_rank() == 0:  # the ranks share the cores: one plans the budget
-        bounds[0] = _plan(spec, "1TiB", allow=(), bucket_caps=caps[-1:]).peak_bytes
-        bounds[1] = _plan(spec, "1TiB", allow=()).rank_peaks
-    dist.broadcast_object_list(bounds, src=0)
-    budget, blind = bounds
-    p = _plan(spec, budget, allow=(), bucket_caps=caps)
+
+    def make() -> tuple[int, list[int], Plan]:
+        budget = _plan(spec, "1TiB", allow=(), bucket_caps=caps[-1:]).peak_bytes
+        blind = _plan(spec, "1TiB", allow=()).rank_peaks
+        return budget, blind, _plan(spec, budget, allow=(), bucket_caps=caps)
+
+    budget, blind, p = _on_rank_0(make)
     model = p.apply(_build(spec), mesh_1d())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tracker = _Tracker()
@@ -441,8 +456,7 @@ def test_predicted_peak_with_buckets_matches_memtracker_and_fits(
 
 def _hand_vs_plan(spec: dict[str, Any]) -> tuple[list[float], list[float], bool, bool]:
     """Train the planned model and the same configuration written by hand; compare."""
-    (budget,) = _budgets_between(spec, [0.3])
-    p = _plan(spec, budget)
+    p, _ = _planned_between(spec, 0.3)
     mesh = mesh_1d()
     planned = p.apply(_build(spec), mesh)
     by_hand = _build(spec)
@@ -477,10 +491,9 @@ def test_apply_trains_exactly_like_the_same_calls_by_hand() -> None:
 
 def _choices(spec: dict[str, Any]) -> list[tuple[int, float, float | None, float | None]]:
     out: list[tuple[int, float, float | None, float | None]] = []
-    budgets = _budgets_between(spec, (0.0, 0.5, 1.0))
     if dist.get_rank() != 0:
         return out  # a plan reads only the mesh's sizes, the same on every rank: rank 0 plans
-    for budget in budgets:
+    for budget in _budgets(spec, (0.0, 0.5, 1.0)):
         chosen = _plan(spec, budget)
         simpler = []
         for allow in ((), ("reshard",)):
