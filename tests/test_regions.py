@@ -20,6 +20,7 @@ import functools
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -57,14 +58,17 @@ class _Block(nn.Module):
 
 
 class _Stack(nn.Module):
-    """Tokens (B, S) -> logits; blocks of four structures, two of each, interleaved."""
+    """Tokens (B, S) -> logits; one block per entry of ``kinds``, in order: by default blocks
+    of four structures, two of each, interleaved."""
 
     KINDS = ("plain", "window", "frozen", "kept")
 
-    def __init__(self, vocab: int = 13, dim: int = 8, hidden: int = 7) -> None:
+    def __init__(
+        self, kinds: Sequence[str] = KINDS * 2, vocab: int = 13, dim: int = 8, hidden: int = 7
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.kinds = [kind for _ in range(2) for kind in self.KINDS]
+        self.kinds = list(kinds)
         self.blocks = nn.ModuleList(
             _Block(dim, hidden, window=3 if kind == "window" else 0) for kind in self.kinds
         )
@@ -116,14 +120,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
-def _train(backend: str, regions: bool) -> dict[str, Any]:
+def _train(backend: str, regions: bool, kinds: Sequence[str] = _Stack.KINDS * 2) -> dict[str, Any]:
     """The stack compiled whole beside our eager engine and the unsharded replica, W=2."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = _Stack()
+    model = _Stack(kinds)
     reference, eager = copy.deepcopy(model), copy.deepcopy(model)
     _shard(model, regions)
     _shard(eager)
@@ -185,20 +189,23 @@ def test_one_region_per_block_structure_trains_exactly(backend: str) -> None:
 
 
 def test_regions_off_trace_every_block_inline() -> None:
-    """``set_compile_region(False)``: no region, the same training."""
-    (r, _) = run_distributed(functools.partial(_train, "aot_eager", False), 2, timeout=300)
+    """``set_compile_region(False)``: no region, the same training; a block that reshards
+    after forward and one that keeps its parameters (the two ways a region gathers) inline."""
+    train = functools.partial(_train, "aot_eager", False, ("plain", "kept"))
+    (r, _) = run_distributed(train, 2, timeout=300)
     assert max(r["diffs"]) < 1e-5 and max(r["eager_diffs"]) < 1e-5, r
     assert r["regions"] == [[]] and r["frames"] == [1] * STEPS
 
 
 def _two_instances() -> dict[str, Any]:
-    """Two instances of one structure, each compiled, stepped in turn twice (W=1)."""
+    """Two instances of one structure (two plain blocks), each compiled, stepped in turn twice
+    (W=1)."""
     torch._dynamo.reset()
     kept = _Graphs("aot_eager")
     runs, frames, losses = [], [], []
     for _ in range(2):
         torch.manual_seed(0)
-        model = _Stack()
+        model = _Stack(("plain", "plain"))
         _shard(model)
         runs.append(torch.compile(model, backend=kept, fullgraph=True))
     tokens, targets = _batch(0)
@@ -221,11 +228,13 @@ def test_a_second_instance_is_traced_once_more_and_neither_recompiles_after() ->
 
 
 def _lengths() -> dict[str, Any]:
-    """Three sequence lengths, W=1: the second makes dynamo trace again with the length
-    dynamic, which a region's key cannot hold (a symbolic size): those blocks run inline."""
+    """Three sequence lengths, W=1, two "window" blocks (one region, called twice; they read
+    the length): the second length makes dynamo trace again with the length dynamic, which a
+    region's key cannot hold (a symbolic size): those blocks run inline. The third reuses
+    that trace."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Stack()
+    model = _Stack(("window", "window"))
     reference = copy.deepcopy(model)
     _shard(model)
     kept = _Graphs("aot_eager")
@@ -247,7 +256,7 @@ def _lengths() -> dict[str, Any]:
 def test_a_length_made_dynamic_runs_its_blocks_inline() -> None:
     (r,) = run_distributed(_lengths, 1, timeout=300)
     assert max(r["diffs"]) < 1e-5, r["diffs"]
-    assert r["regions"] == [8, 0], r["regions"]  # static: 8 region calls; dynamic: inline
+    assert r["regions"] == [2, 0], r["regions"]  # static: 2 region calls; dynamic: inline
 
 
 def _second_instance() -> dict[str, Any]:
