@@ -45,6 +45,10 @@ from parity import loss_fn, param_diffs
 STEPS = 3
 BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
 _OPS = torch.ops._c10d_functional
+# param_persistence_threshold: keeps _Net's block's up.bias (7) and the root's scale (8) whole,
+# and _TPNet's norm weights (8); the smallest sharded parameter (_Net's up.weight, 7 x 8) has
+# 56 elements.
+_KEPT = 9
 
 
 class _Block(nn.Module):
@@ -128,8 +132,14 @@ class _TPNet(nn.Module):
 
 
 def _tp_then_shard(
-    model: _TPNet, root: Any, dp_dims: tuple[str, ...] = ("dp",), **options: Any
+    model: _TPNet,
+    root: Any,
+    dp_dims: tuple[str, ...] = ("dp",),
+    root_options: dict[str, Any] | None = None,
+    **options: Any,
 ) -> None:
+    """TP over ``root["tp"]``, then ``fully_shard`` over ``root[dp_dims]`` with ``options``,
+    the root with ``root_options`` too."""
     tp, dp = root["tp"], root[dp_dims]
     parallelize_module(
         model,
@@ -154,7 +164,7 @@ def _tp_then_shard(
             },
         )
         fully_shard(block, mesh=dp, **options)
-    fully_shard(model, mesh=dp, **options)
+    fully_shard(model, mesh=dp, **options, **(root_options or {}))
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,9 +256,11 @@ def _setup(case: str) -> tuple[nn.Module, Callable[[nn.Module], None], int, int,
     size, and the name of our process group (the dp one: the replicas' for ``hsdp_tp``)."""
     if case == "tp":  # (dp=2, tp=2): TP in the block and at the root, then fully_shard
         # unflattened from a 1-D world mesh, as torchtitan builds its meshes: the parameters
-        # land on the concatenated (dp, tp) mesh with torch's placements (strided on dim 0)
+        # land on the concatenated (dp, tp) mesh with torch's placements (strided on dim 0).
+        # The root's norm weight kept whole, the block's sharded: both kinds of TP norm.
         root = device_mesh((4,), ("world",))._unflatten(0, (2, 2), ("dp", "tp"))
-        shard = functools.partial(_tp_then_shard, root=root)
+        kept = {"param_persistence_threshold": _KEPT}
+        shard = functools.partial(_tp_then_shard, root=root, root_options=kept)
         groups = [root["dp"].get_group().group_name]
         return _TPNet(), shard, root["dp"].get_local_rank(), 2, groups
     if case == "hsdp_tp":  # (replicate=2, shard=1, tp=2): HSDP over TP, the 3-D layout
@@ -290,6 +302,7 @@ def _train_exact(backend: str, case: str) -> dict[str, Any]:
         frames.append(graphs.frames)
     state = model._fsdp_state  # type: ignore[attr-defined]
     return {
+        "kept": [p.fqn for g in state.groups for p in g.persistent],
         "diffs": param_diffs(model, reference),
         "eager_diffs": param_diffs(model, eager),
         "registered": all(isinstance(p, DTensor) for p in model.parameters()),
@@ -313,13 +326,16 @@ def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> Non
     rows, AC inside blocks. ``tp``: W=4 as (dp=2) x (tp=2) unflattened from the world mesh
     (torchtitan's way), every parameter a 2-D DTensor (strided where TP and we both shard
     dim 0), the TP modules computing with DTensors inside the graph, uneven dp rows, and
-    sequence-parallel norms whose weights' gradients are Partial over the TP ranks.
-    ``hsdp_tp`` (``nox -s soak``): the same model on (replicate=2) x (shard=1) x (tp=2), the
-    3-D layout at four ranks: one shard rank gathers nothing, the gradients are all-reduced
-    over the replicas."""
+    sequence-parallel norms whose weights' gradients are Partial over the TP ranks, summed
+    over TP as eager sums them: the block's norm weight sharded over dp (reduce-scattered),
+    the root's kept whole (``param_persistence_threshold``: its TP placement kept, Replicate
+    on dp; all-reduced over dp). ``hsdp_tp`` (``nox -s soak``): the same model, every
+    parameter sharded, on (replicate=2) x (shard=1) x (tp=2), the 3-D layout at four ranks:
+    one shard rank gathers nothing, the gradients are all-reduced over the replicas."""
     world = 2 if case == "fsdp" else 4
     got = run_distributed(functools.partial(_train_exact, backend, case), world, timeout=300)
     for r in got:
+        assert r["kept"] == (["norm.weight"] if case == "tp" else []), r["kept"]
         assert max(r["diffs"]) < 1e-5, r["diffs"]
         assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
         assert r["registered"] and r["grads_none"] and r["sharded"] == "GroupState.SHARDED"
@@ -336,22 +352,26 @@ def test_whole_model_in_one_graph_trains_exactly(backend: str, case: str) -> Non
         # One all-gather per group in forward (the blocks and the root), fp32.
         assert fw == [("all_gather", f32)] * (blocks + 1)
         # Backward: the blocks reshard after forward, so their gathers are recomputed; the
-        # root keeps its parameters. One reduce-scatter per group, fp32.
+        # root keeps its parameters. One reduce-scatter per group, fp32; with tp, the root's
+        # kept-whole norm weight all-reduced over dp besides.
         want = [("all_gather", f32)] * blocks + [("all_to_all", f32)] * (blocks + 1)
-        assert sorted(bw) == sorted(want)
+        if case == "tp":
+            want.append(("all_reduce", f32))
+        assert sorted(bw) == sorted(want), bw
         if case == "tp":  # each norm weight's Partial gradient summed over TP, as in eager
             ((tp_bw),) = r["tp_bw"]
             assert tp_bw.count(("all_reduce", f32)) == blocks + 1, tp_bw
 
 
 def _train_hsdp_accumulating(backend: str) -> dict[str, Any]:
-    """HSDP (2 x 2), fp32, two micro-batches per step (sync off, then on) vs the replica;
-    one block (two graphs on four ranks: the compile is the cost)."""
+    """HSDP (2 x 2), fp32, kept-whole parameters, two micro-batches per step (sync off, then
+    on) vs the replica; one block (two graphs on four ranks: the compile is the cost)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False, blocks=1)
     reference = copy.deepcopy(model)
-    _shard(model, device_mesh((2, 2), ("replicate", "shard")), reshard_after_forward=False)
+    mesh = device_mesh((2, 2), ("replicate", "shard"))
+    _shard(model, mesh, reshard_after_forward=False, param_persistence_threshold=_KEPT)
     graphs = _Graphs(backend)
     run = torch.compile(model, backend=graphs, fullgraph=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -378,7 +398,9 @@ def _train_hsdp_accumulating(backend: str) -> dict[str, Any]:
 @pytest.mark.parametrize("backend", BACKENDS[:1])
 def test_hsdp_with_gradient_accumulation_trains_exactly(backend: str) -> None:
     """2 x 2 HSDP, sync off for the first of two micro-batches: a second graph for the flag
-    (compiled once each), exact against the replica; the unsynced backward reduces nothing."""
+    (compiled once each), exact against the replica; the unsynced backward reduces nothing.
+    The block's bias and the root's scale kept whole: their gradients summed over the shard
+    group, then the replicas (two all-reduces per group, as the eager engine issues them)."""
     got = run_distributed(functools.partial(_train_hsdp_accumulating, backend), 4, timeout=300)
     for r in got:
         assert max(r["diffs"]) < 1e-5, r["diffs"]
@@ -386,10 +408,12 @@ def test_hsdp_with_gradient_accumulation_trains_exactly(backend: str) -> None:
         if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
             continue
         unsynced, synced = r["bw"]
-        assert unsynced == []
+        assert unsynced == [], unsynced
         f32 = torch.float32
-        # one block and the root
-        assert sorted(synced) == sorted([("all_to_all", f32), ("all_reduce", f32)] * 2)
+        # per group (the block, the root): two for the kept-whole, the sharded reduce-scatter
+        # and its all-reduce over the replicas
+        want = [("all_reduce", f32)] * 6 + [("all_to_all", f32)] * 2
+        assert sorted(synced, key=str) == sorted(want, key=str), synced
 
 
 @contextlib.contextmanager
@@ -405,15 +429,15 @@ def _native_reduce_scatter() -> Iterator[None]:
 
 @_native_reduce_scatter()
 def _train_mixed_precision(backend: str) -> dict[str, Any]:
-    """bf16 compute, fp32 reduction: compiled beside our eager engine, same options; the
-    reduce-scatters as NCCL runs them."""
+    """bf16 compute, fp32 reduction, the blocks' up.bias and the root's scale kept whole:
+    compiled beside our eager engine, same options; the reduce-scatters as NCCL runs them."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Net(checkpointed=False)
     eager = copy.deepcopy(model)
     for m in (model, eager):
-        _shard(m, mesh_1d(), mp_policy=mp)
+        _shard(m, mesh_1d(), mp_policy=mp, param_persistence_threshold=_KEPT)
     graphs = _Graphs(backend)
     run = torch.compile(model, backend=graphs, fullgraph=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -427,14 +451,34 @@ def _train_mixed_precision(backend: str) -> dict[str, Any]:
     return {
         "diffs": param_diffs(model, eager),
         "dtypes": {str(p.dtype) for p in model.parameters()},
+        **_kept_whole(model),
+        "frames": graphs.frames,
         "fw": [_collectives(g) for g in graphs.fw],
         "bw": [_collectives(g) for g in graphs.bw],
     }
 
 
+def _kept_whole(model: nn.Module) -> dict[str, list[Any]]:
+    """The kept-whole parameters of ``model`` (a _Net) and its blocks, and whether each bias
+    and scale is a ``Replicate()`` DTensor."""
+    states = [m._fsdp_state for m in (model, *model.blocks)]  # type: ignore[union-attr]
+    return {
+        "kept": sorted(p.fqn for s in states for g in s.groups for p in g.persistent),
+        "replicate": [
+            isinstance(p, DTensor) and p.placements == (Replicate(),)
+            for n, p in model.named_parameters()
+            if n.endswith(("bias", "scale"))
+        ],
+    }
+
+
 @pytest.mark.parametrize("backend", BACKENDS[:1])
 def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
+    """bf16 gathers, fp32 reductions, against our eager engine with the same options; the
+    kept-whole parameters (``param_persistence_threshold``: the blocks' biases, the root's
+    scale) ``Replicate`` DTensors, their gradients all-reduced in fp32, one per group."""
     got = run_distributed(functools.partial(_train_mixed_precision, backend), 2, timeout=300)
+    f32, bf16 = torch.float32, torch.bfloat16
     for r in got:
         # Against our eager engine, which (torch 2.15's reduce_dtype) sums the tied weight's
         # two uses in one backward in fp32 (the unsharded parameter's grad_dtype), where the
@@ -443,28 +487,29 @@ def test_mixed_precision_gathers_bf16_and_reduces_fp32(backend: str) -> None:
         # rounds differently (measured 6e-4): bf16's scale.
         assert max(r["diffs"]) < (1e-4 if backend == "aot_eager" else 2e-3), r["diffs"]
         assert r["dtypes"] == {"torch.float32"}  # the sharded parameters stay fp32
+        assert r["kept"] == ["scale", "up.bias", "up.bias"], r["kept"]
+        assert r["replicate"] == [True] * 3, r["replicate"]
+        assert r["frames"] == 1, r["frames"]
         if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
             continue
         (fw,), (bw,) = r["fw"], r["bw"]
-        assert fw == [("all_gather", torch.bfloat16)] * 3
+        assert fw == [("all_gather", bf16)] * 3
         # The blocks reshard after forward (the default below the root): bf16 gathers again.
-        expected = [("all_gather", torch.bfloat16)] * 2 + [("reduce_scatter", torch.float32)] * 3
-        assert sorted(bw) == sorted(expected)
+        # One reduce-scatter and, for the kept-whole, one all-reduce per group, fp32.
+        expected = [("all_gather", bf16)] * 2 + [("reduce_scatter", f32), ("all_reduce", f32)] * 3
+        assert sorted(bw) == sorted(expected), bw
 
 
-# Keeps the block's up.bias (7) and the root's scale (8) whole; the smallest sharded
-# parameter (up.weight, 7 x 8) has 56 elements.
-_KEPT = 9
 # accumulate: reshard after forward, AC in the block, two micro-batches a step (sync off,
-# then on); keep+buckets: reshard_after_forward=False under a bucket cap; bf16: bf16 compute.
-_KEPT_CASES = ("accumulate", "keep+buckets", "bf16")
+# then on); keep+buckets: reshard_after_forward=False under a bucket cap. (bf16 compute:
+# test_mixed_precision_gathers_bf16_and_reduces_fp32.)
+_KEPT_CASES = ("accumulate", "keep+buckets")
 
 
 def _train_kept_whole(backend: str) -> dict[str, Any]:
     """Each case of ``_KEPT_CASES`` (W=2, one block, one spawn for all): compiled with kept-whole
-    parameters beside our eager engine with the same threshold and, in fp32, an unsharded
-    replica on the global batch."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parameters beside our eager engine with the same threshold and an unsharded replica on the
+    global batch."""
     rank = torch.distributed.get_rank()
     out: dict[str, Any] = {}
     for case in _KEPT_CASES:
@@ -476,8 +521,6 @@ def _train_kept_whole(backend: str) -> dict[str, Any]:
         reference, eager = copy.deepcopy(model), copy.deepcopy(model)
         options: dict[str, Any] = {"param_persistence_threshold": _KEPT}
         options["reshard_after_forward"] = case != "keep+buckets"
-        if case == "bf16":
-            options["mp_policy"] = mp
         for m in (model, eager):
             _shard(m, mesh_1d(), **options)
             if case == "keep+buckets":
@@ -501,17 +544,10 @@ def _train_kept_whole(backend: str) -> dict[str, Any]:
                 _step(run, optim, tokens[mine], targets[mine])
                 _step(eager, eager_optim, tokens[mine], targets[mine])
             _step(reference, ref_optim, tokens, targets)
-        states = [model._fsdp_state, model.blocks[0]._fsdp_state]  # type: ignore[attr-defined]
-        kept = [p.fqn for s in states for g in s.groups for p in g.persistent]
         out[case] = {
-            "kept": sorted(kept),
+            **_kept_whole(model),
             "diffs": param_diffs(model, reference),
             "eager_diffs": param_diffs(model, eager),
-            "replicate": [  # the kept-whole ones
-                isinstance(p, DTensor) and p.placements == (Replicate(),)
-                for n, p in model.named_parameters()
-                if n.endswith(("bias", "scale"))
-            ],
             "frames": graphs.frames,
             "bw": [_collectives(g) for g in graphs.bw],
         }
@@ -525,24 +561,17 @@ def test_kept_whole_parameters_in_the_graph_train_like_eager_and_the_replica(bac
     backward graph, one all-reduce per group, into ``Replicate`` gradients. Exact (1e-5)
     against our eager engine with the same threshold and against the unsharded replica, with
     reshard after forward and gradient accumulation, and without resharding under a bucket
-    cap (the root's scale frozen there); bf16 against eager."""
+    cap (the root's scale frozen there). (With bf16 compute, against eager:
+    test_mixed_precision_gathers_bf16_and_reduces_fp32.)"""
     got = run_distributed(functools.partial(_train_kept_whole, backend), 2, timeout=300)
-    f32, bf16 = torch.float32, torch.bfloat16
+    f32 = torch.float32
     reduce = [("all_reduce", f32)] * 2 + [("all_to_all", f32)] * 2  # per group: kept, sharded
     for r in got:
         for case, c in r.items():
             assert c["kept"] == ["scale", "up.bias"], (case, c)
             assert c["replicate"] == [True] * 2, (case, c)
-            if case == "bf16":
-                # The tied embedding, sharded, sums its two uses in bf16 in the graph and in
-                # fp32 in eager (see test_mixed_precision_gathers_bf16_and_reduces_fp32):
-                # measured 4.5e-5 after 3 steps under aot_eager; inductor fuses the bf16 casts
-                # into its kernels, which rounds differently (4.2e-4).
-                bound = 1e-4 if backend == "aot_eager" else 2e-3
-                assert max(c["eager_diffs"]) < bound, (case, c["eager_diffs"])
-            else:
-                assert max(c["eager_diffs"]) < 1e-5, (case, c["eager_diffs"])
-                assert max(c["diffs"]) < 1e-5, (case, c["diffs"])
+            assert max(c["eager_diffs"]) < 1e-5, (case, c["eager_diffs"])
+            assert max(c["diffs"]) < 1e-5, (case, c["diffs"])
             assert c["frames"] == (2 if case == "accumulate" else 1), (case, c["frames"])
             if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
                 continue
@@ -552,86 +581,8 @@ def test_kept_whole_parameters_in_the_graph_train_like_eager_and_the_replica(bac
                     [("all_gather", f32)],
                     sorted([("all_gather", f32), *reduce], key=str),
                 ]
-            elif case == "keep+buckets":  # one reduce-scatter; the frozen scale not reduced
+            else:  # keep+buckets: one reduce-scatter; the frozen scale not reduced
                 assert bws == [sorted([("all_reduce", f32), ("all_to_all", f32)], key=str)], bws
-            else:
-                assert bws == [sorted([("all_gather", bf16), *reduce], key=str)], bws
-
-
-def _train_kept_whole_hsdp() -> dict[str, Any]:
-    """HSDP (2 x 2), fp32, kept-whole parameters, beside the unsharded replica."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Net(checkpointed=False, blocks=1)
-    reference = copy.deepcopy(model)
-    mesh = device_mesh((2, 2), ("replicate", "shard"))
-    _shard(model, mesh, reshard_after_forward=False, param_persistence_threshold=_KEPT)
-    graphs = _Graphs("aot_eager")
-    run = torch.compile(model, backend=graphs, fullgraph=True)
-    optim, ref_optim = _trainable(model), _trainable(reference)
-    rank = torch.distributed.get_rank()
-    for step in range(STEPS):
-        tokens, targets = _batch(step, 8)
-        _step(run, optim, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
-        _step(reference, ref_optim, tokens, targets)
-    return {"diffs": param_diffs(model, reference), "bw": [_collectives(g) for g in graphs.bw]}
-
-
-def test_kept_whole_parameters_in_the_graph_on_hsdp() -> None:
-    """2 x 2 HSDP: the kept-whole gradients summed over the shard group, then the replicas
-    (two all-reduces per group, as the eager engine issues them); exact against the replica."""
-    f32 = torch.float32
-    for r in run_distributed(_train_kept_whole_hsdp, 4, timeout=300):
-        assert max(r["diffs"]) < 1e-5, r["diffs"]
-        (bw,) = r["bw"]
-        # per group (the block, the root): two for the kept-whole, the sharded reduce-scatter
-        # and its all-reduce over the replicas
-        want = [("all_reduce", f32)] * 6 + [("all_to_all", f32)] * 2
-        assert sorted(bw, key=str) == sorted(want, key=str), bw
-
-
-def _train_kept_whole_tp() -> dict[str, Any]:
-    """(dp=2) x (tp=2), fp32: the sequence-parallel norms' weights (8 elements) kept whole,
-    shown as DTensors on the TP mesh; beside our eager engine and the unsharded replica."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _TPNet()
-    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
-    root = device_mesh((4,), ("world",))._unflatten(0, (2, 2), ("dp", "tp"))
-    for m in (model, eager):
-        _tp_then_shard(m, root, param_persistence_threshold=_KEPT)
-    graphs = _Graphs("aot_eager")
-    run = torch.compile(model, backend=graphs, fullgraph=True)
-    optim, eager_optim, ref_optim = _trainable(model), _trainable(eager), _trainable(reference)
-    dp_rank = root["dp"].get_local_rank()
-    for step in range(STEPS):
-        tokens, targets = _batch(step, 4)
-        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
-        _step(run, optim, tokens[mine], targets[mine])
-        _step(eager, eager_optim, tokens[mine], targets[mine])
-        _step(reference, ref_optim, tokens, targets)
-    state = model._fsdp_state  # type: ignore[attr-defined]
-    return {
-        "kept": [p.fqn for g in state.groups for p in g.persistent],
-        "diffs": param_diffs(model, reference),
-        "eager_diffs": param_diffs(model, eager),
-        "bw": [_collectives(g, root["dp"].get_group().group_name) for g in graphs.bw],
-    }
-
-
-def test_kept_whole_tensor_parallel_norms_in_the_graph() -> None:
-    """The TP norms' weights kept whole (their TP placements kept, Replicate on dp): their
-    Partial gradients summed over TP as eager sums them, then all-reduced over dp; exact."""
-    f32 = torch.float32
-    for r in run_distributed(_train_kept_whole_tp, 4, timeout=300):
-        assert r["kept"] == ["norm.weight"], r["kept"]
-        assert max(r["diffs"]) < 1e-5, r["diffs"]
-        assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
-        (bw,) = r["bw"]
-        # over dp, per group (the block, the root): the kept-whole all-reduce, the sharded
-        # reduce-scatter; the block reshards after forward and gathers again
-        want = [("all_gather", f32)] + [("all_reduce", f32), ("all_to_all", f32)] * 2
-        assert sorted(bw, key=str) == sorted(want, key=str), bw
 
 
 def _replicate_on(model: nn.Module, mesh: Any) -> None:
