@@ -359,16 +359,17 @@ def _compiled_with_cap(
     cap_at: int,
     backend: str = "aot_eager",
     eager_first: bool = False,
+    blocks: int = 4,
 ) -> dict[str, Any]:
-    """test_graph's net (tied embedding and head in the root's group, 4 blocks, uneven rows),
-    W=2: compiled whole beside our eager engine and the unsharded replica, 3 AdamW steps. The
-    cap (every group in one bucket) comes before step ``cap_at`` on both sharded models (at
-    1: step 0 traces without buckets, step 1 again with them); block 1 gathers in bf16 if
-    ``bf16_block``; with ``eager_first`` step 0 runs the sharded model eagerly, so that the
-    graph path plans its buckets from the order that step recorded."""
+    """test_graph's net (tied embedding and head in the root's group, ``blocks`` blocks,
+    uneven rows), W=2: compiled whole beside our eager engine and the unsharded replica, 3
+    AdamW steps. The cap (every group in one bucket) comes before step ``cap_at`` on both
+    sharded models (at 1: step 0 traces without buckets, step 1 again with them); block 1
+    gathers in bf16 if ``bf16_block``; with ``eager_first`` step 0 runs the sharded model
+    eagerly, so that the graph path plans its buckets from the order that step recorded."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Net(checkpointed=False, blocks=4)
+    model = _Net(checkpointed=False, blocks=blocks)
     reference, eager = copy.deepcopy(model), copy.deepcopy(model)
     f32 = torch.float32
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=f32, output_dtype=f32)
@@ -414,6 +415,10 @@ def _compiled_with_cap(
     }
 
 
+# The blocks of the parametrized case: two share a bucket as well as four would.
+BLOCKS = 2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("reshard", "regions", "cap_at", "eager_first"),
@@ -422,26 +427,27 @@ def _compiled_with_cap(
 def test_the_one_graph_has_one_collective_per_bucket(
     reshard: bool, regions: bool, cap_at: int, eager_first: bool, backend: str
 ) -> None:
-    """Buckets in the traced graph: the same training as eager with the same cap and as the
-    unsharded model (1e-5), and one all-gather and one reduce-scatter (gloo: an all-to-all)
-    per bucket. The root keeps its parameters after forward; with ``reshard`` the blocks do
-    not, so the root is a bucket of its own and the blocks' bucket gathers again in backward.
-    A cap set after the first compiled step recompiles once. With regions on, blocks that
-    reshard are traced inline (their bucket's gather would otherwise be kept until backward);
-    blocks that keep their parameters share one region that takes them gathered. After an
-    eager first step the buckets follow the order it recorded (the same here)."""
+    """Buckets in the traced graph (two blocks): the same training as eager with the same cap
+    and as the unsharded model (1e-5), and one all-gather and one reduce-scatter (gloo: an
+    all-to-all) per bucket. The root keeps its parameters after forward; with ``reshard`` the
+    blocks do not, so the root is a bucket of its own and the blocks' bucket gathers again in
+    backward. A cap set after the first compiled step recompiles once. With regions on,
+    blocks that reshard are traced inline (their bucket's gather would otherwise be kept
+    until backward); blocks that keep their parameters share one region that takes them
+    gathered. After an eager first step the buckets follow the order it recorded (the same
+    here)."""
     f32 = torch.float32
-    case = (reshard, regions, False, cap_at, backend, eager_first)
+    case = (reshard, regions, False, cap_at, backend, eager_first, BLOCKS)
     for r in run_distributed(_compiled_with_cap, 2, *case, timeout=300):
         assert max(r["diffs"]) < 1e-5, r["diffs"]
         assert max(r["eager_diffs"]) < 1e-5, r["eager_diffs"]
         assert r["frames"] == ([1, 2, 2] if cap_at else [0, 1, 1] if eager_first else [1] * 3)
-        assert r["regions"] == ([4] if regions and not reshard else [])
+        assert r["regions"] == ([BLOCKS] if regions and not reshard else [])
         if backend == "inductor":  # inductor compiles its own graphs: none kept to inspect
             continue
         if cap_at:  # the first graph: one gather and one reduction per group
-            assert r["fw"][0] == [("all_gather", f32)] * 5
-            assert r["bw"][0].count(("all_to_all", f32)) == 5
+            assert r["fw"][0] == [("all_gather", f32)] * (BLOCKS + 1)
+            assert r["bw"][0].count(("all_to_all", f32)) == BLOCKS + 1
         fw, bw = r["fw"][-1], r["bw"][-1]
         buckets = 2 if reshard else 1
         assert fw == [("all_gather", f32)] * buckets, fw
