@@ -136,10 +136,9 @@ def _tp_then_shard(
     root: Any,
     dp_dims: tuple[str, ...] = ("dp",),
     root_options: dict[str, Any] | None = None,
-    **options: Any,
 ) -> None:
-    """TP over ``root["tp"]``, then ``fully_shard`` over ``root[dp_dims]`` with ``options``,
-    the root with ``root_options`` too."""
+    """TP over ``root["tp"]``, then ``fully_shard`` over ``root[dp_dims]``, the root's with
+    ``root_options``."""
     tp, dp = root["tp"], root[dp_dims]
     parallelize_module(
         model,
@@ -163,8 +162,8 @@ def _tp_then_shard(
                 "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
             },
         )
-        fully_shard(block, mesh=dp, **options)
-    fully_shard(model, mesh=dp, **options, **(root_options or {}))
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp, **(root_options or {}))
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
