@@ -11,6 +11,11 @@ whole batch. Two models:
 - ``transformer``: the small Llama-style `Transformer` with tied embeddings: the tied pair
   (`tok_embeddings.weight` is `output.weight`) and the final norm stay in the root group.
 
+Every parity run trains 2 optimizer steps in the suite: the second runs on the optimizer state
+and the sharded parameters the first one left, which is all that a longer run repeats.
+``nox -s soak`` (``FULLY_SHARD_FULL_MATRIX=1``) trains as long as before (`_steps`): 5 steps,
+3 for the embedding/head and gradient accumulation tests.
+
 Each test case is one distributed job on a warm pool, so a case costs its training time only
 (the pool and the workers' imports are paid once per W per session); a failure names W, the
 model and the option in its test id and the step, rank and parameter in its message.
@@ -35,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 import parity
 from fully_shard import CountingComm, FSDPModule, FullyShardValueError, fully_shard
 from harness import mesh_1d, run_distributed
-from matrix import pairwise, thinned
+from matrix import FULL_MATRIX, pairwise, thinned
 from models import MLPStack, ModelArgs, RMSNorm, Transformer
 from parity import (
     MakeBatch,
@@ -51,6 +56,12 @@ MLP_DIMS = (7, 13, 1, 5, 3)
 TRANSFORMER_ARGS = ModelArgs(tie_embeddings=True)
 MODELS = ("mlp", "transformer")
 Shard_ = Callable[[nn.Module, DeviceMesh], None]
+
+
+def _steps(soak: int = 5) -> int:
+    """Optimizer steps of a parity run: 2 in the suite (a step after a step), ``soak`` in
+    ``nox -s soak``."""
+    return soak if FULL_MATRIX else 2
 
 
 # -- helpers (run inside a rank) --------------------------------------------------------------
@@ -136,6 +147,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _parity(model: str, shard: Shard_, **kwargs: Any) -> ParityStats:
+    kwargs.setdefault("steps", _steps())
     return check_parity(lambda: _build(model), shard, _make_batch(model), mesh_1d(), **kwargs)
 
 
@@ -221,7 +233,7 @@ def _frozen(model: str, which: str) -> ParityStats:
         assert frozen and all(n.startswith(prefixes) for n in frozen), frozen
 
     # check_parity asserts after every backward that each frozen parameter's grad is None.
-    return check_parity(build, shard, _make_batch(model), mesh_1d())
+    return check_parity(build, shard, _make_batch(model), mesh_1d(), steps=_steps())
 
 
 @pytest.mark.parametrize(("model", "which"), list(FROZEN), ids=[f"{m}-{w}" for m, w in FROZEN])
@@ -281,7 +293,9 @@ def _embedding_and_head(impl: str, together: bool) -> Shard_:
 def _head_apart(impl: str, tied: bool, together: bool) -> ParityStats:
     args = dataclasses.replace(TRANSFORMER_ARGS, tie_embeddings=tied)
     shard = _embedding_and_head(impl, together)
-    return check_parity(lambda: Transformer(args), shard, make_token_batch, mesh_1d(), steps=3)
+    return check_parity(
+        lambda: Transformer(args), shard, make_token_batch, mesh_1d(), steps=_steps(3)
+    )
 
 
 def _tied_head_apart_is_refused() -> None:
@@ -441,7 +455,7 @@ def _accumulate(model: str, sync_last_only: bool, reshard: bool) -> tuple[Parity
     stats = _parity(
         model,
         _counted(_wrap(flags), counter),
-        steps=3,
+        steps=_steps(3),
         grad_accum=ACCUM,
         set_gradient_sync=fsdp_gradient_sync if sync_last_only else None,
     )
@@ -467,7 +481,7 @@ def test_gradient_accumulation_without_sync_equals_one_step_on_all_micro_batches
     _assert_nonvacuous([stats for stats, _ in results])
     groups = _n_layers(model) + (1 if model == "transformer" else 0)
     per_step = groups * (1 if sync_last_only else ACCUM)
-    assert results[0][1] == 3 * per_step
+    assert results[0][1] == _steps(3) * per_step
 
 
 # -- meta-device initialisation ---------------------------------------------------------------
@@ -508,7 +522,9 @@ def _meta_init(model: str) -> ParityStats:
         if isinstance(m, Transformer):
             assert m.output.weight is m.tok_embeddings.weight
 
-    return check_parity(build, shard, _make_batch(model), mesh_1d(), reference_from_sharded=True)
+    return check_parity(
+        build, shard, _make_batch(model), mesh_1d(), steps=_steps(), reference_from_sharded=True
+    )
 
 
 @pytest.mark.parametrize(("model", "world"), [("mlp", 4), ("transformer", 3)])
