@@ -140,4 +140,5 @@ def soak(session: nox.Session) -> None:
     tests += ("tests/test_3d.py", "tests/test_multinode.py", "tests/test_dp_mesh_dims.py")
     tests += ("tests/test_reshard_int.py", "tests/test_titan_meshes.py", "tests/test_2d.py")
     tests += ("tests/test_torchtitan.py", "tests/test_regions.py", "tests/test_schedules.py")
+    tests += ("tests/test_buckets.py",)
     session.run("pytest", *WORKERS, *tests, *session.posargs, env=env)

@@ -1,21 +1,24 @@
 """Buckets (``set_bucket_cap_mb``): consecutive groups share one all-gather and one reduce-scatter.
 
-What they must do, checked here on a 4-block ``Transformer`` (root + 4 groups):
+What they must do, checked here on a ``Transformer`` (root + one group per block):
 
 - train like the unsharded model (``check_parity``, 3 AdamW steps) with buckets on, for
   reshard after forward on and off, gradient accumulation, frozen and tied parameters,
-  activation checkpointing, HSDP and a module skipped in some steps; and like the same model
-  without buckets bit for bit (mixed precision, a group with other options, after an
-  exception), since a bucket only concatenates its groups' buffers (W = 2: each element of a
-  reduce-scatter is one addition either way);
+  activation checkpointing, HSDP and a module skipped in some steps (2 blocks: every group in
+  one bucket is three groups sharing each collective, as four would); and like the same
+  4-block model without buckets bit for bit (mixed precision, a group with other options,
+  after an exception), since a bucket only concatenates its groups' buffers (W = 2: each
+  element of a reduce-scatter is one addition either way);
 - issue one collective per bucket: counted with ``CountingComm`` in a step after the first
   (which records the order and runs unbucketed), against hand-counted buckets and
-  ``Buckets.sizes()``;
+  ``Buckets.sizes()`` (a cap that splits 4 blocks into buckets of two);
 - close a bucket at a group whose options differ;
 - refuse a bad cap before changing anything;
 - in the one graph (``torch.compile(model, fullgraph=True)``, ``aot_eager``): one all-gather
   and one reduce-scatter per bucket in the traced graphs, the same training as the eager
-  engine with the same cap and as the unsharded model, a recompile when the cap changes.
+  engine with the same cap and as the unsharded model, a recompile when the cap changes
+  (two of the parametrized test's four cases here, which make every assertion of the four;
+  all four, and inductor, in ``nox -s soak``: see ``GRAPH_CASES``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from fully_shard import (
 )
 from fully_shard.group import GroupState
 from harness import device_mesh, mesh_1d, run_distributed
+from matrix import thinned
 from models import ModelArgs, Transformer
 from parity import (
     check_parity,
@@ -54,6 +58,11 @@ from test_graph import _batch, _collectives, _Graphs, _Net
 from tp_plan import apply_tp
 
 ARGS = ModelArgs(n_layers=4)
+# The blocks of the parity cases with every group in one bucket: a bucket of root + 2 blocks
+# shares its collectives as root + 4 would, at about half the CPU (each of the 3 steps compares
+# every parameter and gradient, one gather each). The cap that splits the blocks into buckets
+# of two, and the twin runs, keep 4.
+PARITY_LAYERS = 2
 # The compiled cases' backends: aot_eager here, inductor too in ``nox -s soak``.
 BACKENDS = tuple(os.environ.get("FULLY_SHARD_COMPILE_BACKENDS", "aot_eager").split(","))
 # Every compatible group in one bucket.
@@ -140,7 +149,7 @@ CASES = {
 }
 
 
-def _parity(case: str, cap: float) -> dict[str, Any]:
+def _parity(case: str, cap: float, layers: int = PARITY_LAYERS) -> dict[str, Any]:
     build_opts, shard_opts, parity_opts = CASES[case]
     shard_opts = dict(shard_opts)
     hsdp = shard_opts.pop("hsdp", False)
@@ -149,7 +158,7 @@ def _parity(case: str, cap: float) -> dict[str, Any]:
     mesh = (
         device_mesh((2, 2), ("rep", "shard")) if hsdp else mesh_1d() if root is None else root["dp"]
     )
-    args = ModelArgs(n_layers=4, tie_embeddings=bool(build_opts.get("tie_embeddings")))
+    args = ModelArgs(n_layers=layers, tie_embeddings=bool(build_opts.get("tie_embeddings")))
 
     def build() -> nn.Module:
         model = (_SkipsLastBlock if build_opts.get("skips") else Transformer)(args)
@@ -185,7 +194,8 @@ ONE_BUCKET = {
     "checkpoint": (1, 1, 1),
     "skip": (1, 1, 1),
     "hsdp": (1, 1, 1),
-    "reshard-int": (5, 5, 1),  # the root reshards to pairs too: it gathers again
+    # the root reshards to pairs too: it gathers again, as every block does
+    "reshard-int": (PARITY_LAYERS + 1, PARITY_LAYERS + 1, 1),
     "tp": (1, 1, 1),
 }
 
@@ -211,7 +221,7 @@ def test_buckets_train_like_the_unsharded_model_with_one_collective_per_bucket(c
 
 
 def test_the_cap_decides_the_buckets_and_the_collectives() -> None:
-    for seen in run_distributed(_parity, 2, "reshard", TWO_BLOCKS):
+    for seen in run_distributed(_parity, 2, "reshard", TWO_BLOCKS, 4):
         assert seen["stats"]["max_param_diff"] < 1e-5
         # forward [root, 0] [1, 2] [3]; backward gathers [3, 2] [1, 0]; reductions, in the
         # order backward finishes the groups (the root last): [3, 2] [1, 0] [root]
@@ -417,12 +427,23 @@ def _compiled_with_cap(
 
 # The blocks of the parametrized case: two share a bucket as well as four would.
 BLOCKS = 2
+# (reshard, regions, cap_at, eager_first). Each case compiles (the first twice): the suite
+# runs two, which between them make every assertion of the four: blocks traced inline and a
+# recompile (the first), one shared region and the buckets planned from an eager first step
+# (the last). Blocks that keep their parameters with regions off, and each of the last case's
+# two options alone, are soak cases (tests/matrix.py); test_regions.py traces regions off.
+GRAPH_CASES = [
+    (True, True, 1, False),
+    (False, True, 0, False),
+    (False, False, 0, True),
+    (False, True, 0, True),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("reshard", "regions", "cap_at", "eager_first"),
-    [(True, True, 1, False), (False, True, 0, False), (False, False, 0, True)],
+    thinned(GRAPH_CASES, [GRAPH_CASES[0], GRAPH_CASES[-1]]),
 )
 def test_the_one_graph_has_one_collective_per_bucket(
     reshard: bool, regions: bool, cap_at: int, eager_first: bool, backend: str

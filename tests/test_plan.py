@@ -42,6 +42,7 @@ from fully_shard.plan import _trace_shortened as trace_shortened
 from fully_shard.plan.activations import fake_mode, fake_replica, run_trace, to_fake
 from fully_shard.plan.schedule import adam_temporaries
 from harness import mesh_1d, run_distributed
+from matrix import thinned
 from models import ModelArgs, Transformer
 
 TOLERANCE = 0.10  # the issue's bar: prediction within 10% of the measurement
@@ -235,6 +236,23 @@ def _mlp(vocab: int, dim: int, layers: int, frozen: str, batch: int, seq: int, *
     return spec | {"batch": batch, "seq": seq, "ffn": 4 * dim, "tie": True, "mp": False} | kw
 
 
+# Tied embedding and head, pre-norm MLP blocks, the planner's own groups (W=2): the shapes
+# of the tied draws that were reported over budget. The suite runs the first (the feasible
+# minimum, a frozen block: the tighter of the two); the second, the same kind of model half
+# way up, only in ``nox -s soak`` (tests/matrix.py).
+_TIED_DRAWS = [
+    {"spec": _mlp(640, 48, 5, "block", 3, 28), "world": 2, "where": 0.0},
+    {"spec": _mlp(705, 80, 5, "none", 3, 47), "world": 2, "where": 0.5},
+]
+
+
+def _tied_draws(test: Callable[..., None]) -> Callable[..., None]:
+    """``test`` with an ``@example`` for each of ``_TIED_DRAWS`` that this run keeps."""
+    for kwargs in reversed(thinned(_TIED_DRAWS, _TIED_DRAWS[:1])):
+        test = example(**kwargs)(test)
+    return test
+
+
 # The suite runs the explicit cases below plus two drawn ones, the same two every run; the
 # soak session draws 60 new ones (FULLY_SHARD_PLAN_EXAMPLES=60).
 @settings(
@@ -244,10 +262,7 @@ def _mlp(vocab: int, dim: int, layers: int, frozen: str, batch: int, seq: int, *
     suppress_health_check=[HealthCheck.too_slow],
     phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking re-runs ranks for minutes
 )
-# Tied embedding and head, pre-norm MLP blocks, the planner's own groups (W=2): the shapes
-# of the tied draws that were reported over budget.
-@example(spec=_mlp(640, 48, 5, "block", 3, 28), world=2, where=0.0)
-@example(spec=_mlp(705, 80, 5, "none", 3, 47), world=2, where=0.5)
+@_tied_draws
 # A vocabulary-sized head as a group of its own (narrow blocks: the Linears are the groups),
 # its gradient packed last: the engine kept it alive through the reduce-scatter's output
 # allocation, which the replay did not (measured 6.6% over the budget); the engine now frees
@@ -320,9 +335,10 @@ def _measure_kept(spec: dict[str, Any], threshold: int) -> tuple[int, int, int, 
         # and reduce-scatter nothing; only the embedding and the head are sharded.
         (_mlp(640, 48, 5, "none", 2, 16, tie=False), 2, 10_000, True),
         # Llama-style blocks in bf16 (W=4): the RMSNorm weights kept whole, each with its
-        # bf16 copy; a tied head.
+        # bf16 copy; a tied head. Two blocks: MemTracker's cost grows with the tensors it
+        # tracks times the ops it sees, and four blocks keep nothing more whole.
         (
-            {"kind": "transformer", "vocab": 37, "dim": 16, "layers": 4, "ffn": 40, "tie": True}
+            {"kind": "transformer", "vocab": 37, "dim": 16, "layers": 2, "ffn": 40, "tie": True}
             | {"frozen": "none", "mp": True, "batch": 2, "seq": 8},
             4,
             17,
@@ -425,9 +441,11 @@ def _measure_buckets(
         # budget; 0.25 MiB merges three blocks at most.
         (_mlp(640, 48, 5, "none", 2, 16, tie=False), 2, (1.0, 0.25), False),
         # Llama-style blocks in bf16 (W=4, uneven rows), a frozen embedding (the first
-        # block's backward ends with the root's), a tied head: one bucket each way.
+        # block's backward ends with the root's), a tied head: one bucket each way. Three
+        # blocks, not fewer: with two, the buckets' memory is within 10% of the rest, and a
+        # prediction without it would pass too.
         (
-            {"kind": "transformer", "vocab": 37, "dim": 16, "layers": 4, "ffn": 40, "tie": True}
+            {"kind": "transformer", "vocab": 37, "dim": 16, "layers": 3, "ffn": 40, "tie": True}
             | {"frozen": "embedding", "mp": True, "batch": 2, "seq": 8},
             4,
             (0.25,),
@@ -482,7 +500,8 @@ def _hand_vs_plan(spec: dict[str, Any]) -> tuple[list[float], list[float], bool,
 
 
 def test_apply_trains_exactly_like_the_same_calls_by_hand() -> None:
-    spec = {"vocab": 37, "dim": 16, "layers": 3, "ffn": 40, "tie": False, "frozen": "none"}
+    # Two blocks: at this budget the plan still checkpoints a block, as with three.
+    spec = {"vocab": 37, "dim": 16, "layers": 2, "ffn": 40, "tie": False, "frozen": "none"}
     spec |= {"mp": False, "batch": 4}
     for a, b, same, _ in run_distributed(_hand_vs_plan, 2, spec):
         assert a == b
@@ -506,7 +525,9 @@ def _choices(spec: dict[str, Any]) -> list[tuple[int, float, float | None, float
 
 
 def test_chosen_configuration_never_costs_more_than_a_simpler_one_that_fits() -> None:
-    spec = {"vocab": 37, "dim": 16, "layers": 3, "ffn": 40, "tie": True, "frozen": "none"}
+    # Two blocks: eleven plans, each a trace of the model; with three the simpler ones fit
+    # at the same budgets (the unconstrained peak only) and the chosen costs fall the same way.
+    spec = {"vocab": 37, "dim": 16, "layers": 2, "ffn": 40, "tie": True, "frozen": "none"}
     spec |= {"mp": False, "batch": 4}
     rows = run_distributed(_choices, 2, spec)[0]
     for _, chosen, default, reshard_only in rows:
