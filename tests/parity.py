@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 # For a test that runs torch's own fully_shard as the reference: on CPU it needs
 # Stream.record_event, which torch 2.6 lacks.
@@ -71,6 +71,7 @@ __all__ = [
     "check_parity",
     "fsdp_gradient_sync",
     "full_or_none",
+    "full_values",
     "global_and_rank_rows",
     "loss_fn",
     "make_float_batch",
@@ -198,6 +199,73 @@ def full_or_none(t: Tensor | None) -> Tensor | None:
     return None if t is None else _full(t)
 
 
+# torch 2.13 renamed the flat-tensor all-gather and deprecated the old name (2.6 has only it).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _rows_per_rank(rows: int, world: int) -> list[int]:
+    """Each rank's rows of a ``Shard(0)`` tensor of ``rows`` rows: DTensor's ``torch.chunk``
+    split (the last ranks may hold fewer, or none)."""
+    chunks = [c.size(0) for c in torch.empty(rows, 0).chunk(world)]
+    return chunks + [0] * (world - len(chunks))
+
+
+def _row_sharded(t: Tensor | None) -> bool:
+    return (
+        isinstance(t, DTensor)
+        and t.device_mesh.ndim == 1
+        and type(t.placements[0]) is Shard  # not a subclass (_StridedShard)
+        and t.placements[0].dim == 0
+        and t.ndim > 0
+    )
+
+
+def full_values(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """:func:`full_or_none` of each tensor, the ``Shard(0)`` DTensors of a 1-D mesh gathered
+    by one all-gather per (mesh, dtype) rather than one ``full_tensor()`` each.
+
+    The same values as ``full_tensor()`` (each rank's rows, put back in rank order): only the
+    number of collectives differs. A template step compares every gradient, and on gloo each
+    collective costs a millisecond or more of CPU (about 5 ms at W = 4 on 2 cores), so the
+    checks cost as many collectives as the training they check. Every rank must pass tensors
+    of the same kinds in the same order (as for ``full_tensor()``, a collective each).
+    """
+    out: list[Tensor | None] = [None if t is None else t for t in tensors]
+    batches: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _row_sharded(t):
+            assert isinstance(t, DTensor)
+            batches.setdefault((id(t.device_mesh), t.dtype), []).append(i)
+        elif isinstance(t, DTensor):
+            out[i] = t.full_tensor()
+    for indices in batches.values():
+        first = tensors[indices[0]]
+        assert isinstance(first, DTensor)
+        group, world = first.device_mesh.get_group(), first.device_mesh.size()
+        members = [t for t in (tensors[i] for i in indices) if isinstance(t, DTensor)]
+        shapes = [tuple(t.shape) for t in members]
+        rows = [_rows_per_rank(s[0], world) for s in shapes]
+        widths = [math.prod(s[1:]) for s in shapes]
+        totals = [sum(r[k] * w for r, w in zip(rows, widths, strict=True)) for k in range(world)]
+        longest = max(totals)
+        with torch.no_grad():
+            mine = torch.zeros(longest, dtype=first.dtype, device=first.to_local().device)
+            flat = torch.cat([t.to_local().reshape(-1) for t in members])
+            mine[: flat.numel()] = flat
+            gathered = torch.empty(world * longest, dtype=mine.dtype, device=mine.device)
+            _all_gather(gathered, mine, group=group)
+            starts = [k * longest for k in range(world)]
+            for j, i in enumerate(indices):
+                parts = []
+                for k in range(world):
+                    n = rows[j][k] * widths[j]
+                    block = gathered[starts[k] : starts[k] + n]
+                    parts.append(block.view(rows[j][k], *shapes[j][1:]))
+                    starts[k] += n
+                out[i] = torch.cat(parts)
+    return out
+
+
 def assert_close_or_both_none(
     what: str, got: Tensor | None, want: Tensor | None, atol: float, rtol: float | None = None
 ) -> None:
@@ -216,8 +284,15 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
 def param_diffs(model: nn.Module, reference: nn.Module) -> list[float]:
     """The largest difference of each parameter's global value from the reference's, in
     order (either side may be sharded)."""
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    return [_max_diff(_full(p), _full(q)) for p, q in pairs]
+    ours, theirs = list(model.parameters()), list(reference.parameters())
+    if len(ours) != len(theirs):
+        raise AssertionError(f"{len(ours)} parameters against the reference's {len(theirs)}")
+    fulls = full_values([p.detach() for p in ours + theirs])
+    return [
+        _max_diff(p, q)
+        for p, q in zip(fulls[: len(ours)], fulls[len(ours) :], strict=True)
+        if p is not None and q is not None
+    ]
 
 
 def _compare(
@@ -262,11 +337,14 @@ def _copy_reference_from(reference: nn.Module, sharded: nn.Module) -> None:
     """Overwrite the reference's parameters and buffers with the sharded model's global values."""
     buffers = dict(sharded.named_buffers())
     params = _named_params(sharded)
+    ref_params = _named_params(reference)
+    for name in ref_params:
+        if name not in params:
+            raise AssertionError(f"sharding removed parameter {name!r}")
+    fulls = full_values([params[name].detach() for name in ref_params])
     with torch.no_grad():
-        for name, ref_p in _named_params(reference).items():
-            if name not in params:
-                raise AssertionError(f"sharding removed parameter {name!r}")
-            ref_p.copy_(_full(params[name].detach()))
+        for ref_p, full in zip(ref_params.values(), fulls, strict=True):
+            ref_p.copy_(full)  # type: ignore[arg-type]  # a parameter is never None
         for name, ref_b in reference.named_buffers():
             ref_b.copy_(_full(buffers[name]))
 
@@ -398,10 +476,12 @@ def check_parity(
             f"{sorted(params.keys() - ref_params.keys())}, only reference "
             f"{sorted(ref_params.keys() - params.keys())}"
         )
-    for name, p in params.items():
+    initial = full_values([p.detach() for p in params.values()])
+    for (name, p), full in zip(params.items(), initial, strict=True):
+        assert full is not None
         _compare(
             f"initial parameter {name!r}",
-            _full(p.detach()),
+            full,
             ref_params[name],
             atol=0.0,
             rtol=0.0,
@@ -458,6 +538,7 @@ def check_parity(
             ),
         )
 
+        compared: list[tuple[str, Tensor]] = []  # (name, this rank's grad), gathered at once
         for name, p in params.items():
             ref_p = ref_params[name]
             if not p.requires_grad:
@@ -486,7 +567,12 @@ def check_parity(
                 # Unsharded (ignored) parameter: the engine leaves its gradient local.
                 dist.all_reduce(p.grad, group=group)
                 p.grad.mul_(shares).div_(summed_over)
-            grad = _full(p.grad)
+            compared.append((name, p.grad))
+        fulls = full_values([g for _, g in compared])
+        for (name, _), grad in zip(compared, fulls, strict=True):
+            assert grad is not None
+            ref_p = ref_params[name]
+            assert ref_p.grad is not None
             own = None if tolerance_of is None else tolerance_of(name, "grad")
             a, r = (atol, rtol) if own is None else own
             diff = _compare(f"grad of {name!r}", grad, ref_p.grad, atol=a, rtol=r, where=where)
@@ -501,12 +587,14 @@ def check_parity(
         opt.step()
         ref_opt.step()
 
-    for name, p in params.items():
+    finals = full_values([p.detach() for p in params.values()])
+    for name, full in zip(params, finals, strict=True):
+        assert full is not None
         own = None if tolerance_of is None else tolerance_of(name, "param")
         a, r = (atol, rtol) if own is None else own
         diff = _compare(
             f"parameter {name!r}",
-            _full(p.detach()),
+            full,
             ref_params[name],
             atol=a,
             rtol=r,
@@ -639,14 +727,13 @@ def assert_trains_like_torch(
             opt.zero_grad()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6, msg=f"step {step}")
-        for name, p in ours.named_parameters():
-            torch.testing.assert_close(
-                p.full_tensor(),  # type: ignore[attr-defined]  # a DTensor
-                theirs_params[name].full_tensor(),  # type: ignore[attr-defined]
-                rtol=1e-5,
-                atol=1e-6,
-                msg=f"step {step}: {name}",
-            )
+        names = [name for name, _ in ours.named_parameters()]
+        fulls = full_values(
+            [p.detach() for _, p in ours.named_parameters()]
+            + [theirs_params[name].detach() for name in names]
+        )
+        for name, got, want in zip(names, fulls[: len(names)], fulls[len(names) :], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
 
 
 def train_beside_torch(
@@ -699,8 +786,11 @@ def train_beside_torch(
         for want, got in pairs:
             what = f"step {step} loss {got} vs {want}"
             assert_close_or_both_none(what, losses[got], losses[want], atol, rtol)
-            for n, p in named[got].items():
-                g, w = full_or_none(p.grad), full_or_none(named[want][n].grad)
+            names = list(named[got])
+            fulls = full_values(
+                [named[got][n].grad for n in names] + [named[want][n].grad for n in names]
+            )
+            for n, g, w in zip(names, fulls[: len(names)], fulls[len(names) :], strict=True):
                 assert_close_or_both_none(
                     f"step {step} grad {n}: {got} vs {want}", g, w, atol, rtol
                 )
@@ -710,9 +800,12 @@ def train_beside_torch(
             opt.zero_grad(set_to_none=True)
     named = {k: dict(m.named_parameters()) for k, m in models.items()}
     for want, got in pairs:
-        for n, p in named[got].items():
-            w = _full(named[want][n].detach())
-            assert_close_or_both_none(f"param {n} vs {want}", _full(p.detach()), w, atol, rtol)
+        names = list(named[got])
+        fulls = full_values(
+            [named[got][n].detach() for n in names] + [named[want][n].detach() for n in names]
+        )
+        for n, p, w in zip(names, fulls[: len(names)], fulls[len(names) :], strict=True):
+            assert_close_or_both_none(f"param {n} vs {want}", p, w, atol, rtol)
     return compared
 
 
