@@ -7,8 +7,9 @@ What they must do, checked here on a ``Transformer`` (root + one group per block
   activation checkpointing, HSDP and a module skipped in some steps (2 blocks: every group in
   one bucket is three groups sharing each collective, as four would); and like the same
   4-block model without buckets bit for bit (mixed precision, a group with other options,
-  after an exception), since a bucket only concatenates its groups' buffers (W = 2: each
-  element of a reduce-scatter is one addition either way);
+  after an exception, parameters kept after forward: then one copy-out for the bucket's
+  groups), since a bucket only concatenates its groups' buffers (W = 2: each element of a
+  reduce-scatter is one addition either way);
 - issue one collective per bucket: counted with ``CountingComm`` in a step after the first
   (which records the order and runs unbucketed), against hand-counted buckets and
   ``Buckets.sizes()`` (a cap that splits 4 blocks into buckets of two);
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+import fully_shard.group as fs_group
 from fully_shard import (
     CountingComm,
     FSDPModule,
@@ -237,8 +239,10 @@ def _twin_steps(case: str) -> dict[str, Any]:
     """The same model sharded twice, with and without buckets, 3 AdamW steps on the same
     data (an exception raised and recovered from in step 1 for the "raise-*" cases)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    options: dict[str, Any] = {"mp": {"mp_policy": mp}}.get(case, {})
+    kept = {"reshard_after_forward": False}
+    options: dict[str, Any] = {"mp": {"mp_policy": mp}, "kept": kept}.get(case, {})
     other = {"other-options": {"mp_policy": mp}}.get(case)
+    copies = _count_copy_outs()
     models, comms = [], []
     for cap in (None, ALL):
         torch.manual_seed(0)
@@ -252,17 +256,36 @@ def _twin_steps(case: str) -> dict[str, Any]:
     for step in range(3):
         tokens, targets = make_token_batch(4, torch.Generator().manual_seed(step))
         tokens, targets = tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]
+        forward_copies = []
         for model, optim, comm in zip(models, optims, comms, strict=True):
             comm.reset()
             if step == 1 and case.startswith("raise-"):
                 _raise_and_recover(model, tokens, targets, case)
-            loss_fn(model(tokens), targets).backward()
+            copies.clear()
+            out = model(tokens)
+            forward_copies.append(len(copies))
+            loss_fn(out, targets).backward()
             optim.step()
             optim.zero_grad()
     counts = [c.count_by_op() for c in comms]
     pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
     same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
-    return {"same": same, "counts": counts, "sizes": models[1]._fsdp_state.root.buckets.sizes()}
+    sizes = models[1]._fsdp_state.root.buckets.sizes()
+    return {"same": same, "counts": counts, "sizes": sizes, "copies": forward_copies}
+
+
+def _count_copy_outs() -> list[int]:
+    """Record every copy-out of gathered parameters in this rank (the list grows by one per
+    ``packing.copy_out`` call made by a group or by a bucket's shared copy-out)."""
+    calls: list[int] = []
+    real = fs_group.copy_out
+
+    def counting(*args: Any) -> None:
+        calls.append(1)
+        real(*args)
+
+    fs_group.copy_out = counting  # type: ignore[assignment]  # this rank's process only
+    return calls
 
 
 class _RaiseInBackward(torch.autograd.Function):
@@ -295,15 +318,21 @@ def _raise_and_recover(model: nn.Module, tokens: Tensor, targets: Tensor, case: 
         p.grad = None
 
 
-@pytest.mark.parametrize("case", ["mp", "other-options", "raise-forward", "raise-backward"])
+@pytest.mark.parametrize("case", ["mp", "other-options", "raise-forward", "raise-backward", "kept"])
 def test_buckets_change_no_number(case: str) -> None:
     for seen in run_distributed(_twin_steps, 2, case):
         assert seen["same"], case
+        if case == "kept":
+            # forward's copy-outs in the last step, unbucketed and bucketed: one per group,
+            # or one for the bucket's 5 groups that keep their parameters (SharedCopy)
+            assert seen["sizes"]["forward"] == [5]
+            assert seen["copies"] == [5, 1]
+            assert seen["counts"][1] == {"all_gather": 1, "reduce_scatter": 1}
         if case == "other-options":
             # block 1 gathers in bf16: it closes the fp32 buckets on both sides; its reduce
             # dtype is fp32 like the others', so the reduction still spans every group
             assert seen["sizes"] == {"forward": [2, 1, 2], "backward": [2, 1, 1], "reduce": [5]}
-        if not case.startswith("raise-"):
+        if case in ("mp", "other-options"):
             unbucketed, bucketed = seen["counts"]
             assert unbucketed == {"all_gather": 9, "reduce_scatter": 5}
             groups = seen["sizes"]

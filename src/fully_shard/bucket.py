@@ -17,7 +17,10 @@ Each group keeps its own state machine, hooks and options; only the collective i
   in backward order): the first group of a run that unshards issues one all-gather for itself
   and every later group of the run that will run in this pass and is still SHARDED. Those
   are then UNSHARDING with a pending gather whose work is the bucket's: each one's
-  ``wait_for_unshard`` waits for it (once) and copies out its own columns.
+  ``wait_for_unshard`` waits for it (once) and copies out its own columns. A forward run
+  whose groups all keep their parameters (``reshard_after_forward=False``) holds them
+  together until backward anyway: the first of them to wait copies every member's columns
+  out at once (:class:`~fully_shard.group.SharedCopy`), one copy instead of one per group.
 - **Reductions**, by runs in backward order: a group whose backward is done parks its
   gradients with the bucket; when the run's last group has parked, one reduce-scatter (and,
   for HSDP, one all-reduce) carries them all, and finishing it from any member adds every
@@ -48,7 +51,7 @@ import torch
 from ._compat import profiler_enabled, set_grad_enabled
 from .collectives import Waitable, comm_key, divide_
 from .description import GroupDescription, offsets
-from .group import GroupState, ParamGroup, SharedReduce
+from .group import GroupState, ParamGroup, SharedCopy, SharedReduce
 from .observer import JOB_WIDE, CollectiveCall, issue_observed
 from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grads
 from .param import ShardedParam
@@ -224,8 +227,17 @@ class _BucketReduce:
                 lambda: comm.all_reduce(output, rg, plan.all_reduce, async_op=False),
             )
         divide_(output, plan.post_divide)
-        for group, params, starts in self.members:
-            group.accumulate_reduced(params, output, starts)
+        # Each member's rows into its sharded gradients, all in one loop: in place on each
+        # DTensor's local tensor, so with autograd off (as ParamGroup._accumulate).
+        base = int(output.storage_offset())  # eager: a plain int
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(False)
+        try:
+            for _, params, starts in self.members:
+                for p, off in zip(params, starts, strict=True):
+                    p.accumulate_sharded_grad(p.local_grad_from(output, base + off))
+        finally:
+            set_grad_enabled(grad_was)
 
 
 class Buckets:
@@ -294,7 +306,10 @@ class Buckets:
         ]
         if len(members) == 1:
             return False
-        _gather(members, async_op)
+        # Groups that keep their parameters after forward hold them together until backward
+        # anyway: their columns are copied out at once (SharedCopy).
+        kept = not backward and all(g.config.reshard_after_forward is False for g in members)
+        _gather(members, async_op, kept)
         return True
 
     # -- reductions ---------------------------------------------------------------------------
@@ -331,8 +346,9 @@ def _unwatched(group: ParamGroup) -> bool:
     return group.observers is group.unwatched and not (JOB_WIDE.observers or profiler_enabled())
 
 
-def _gather(members: list[ParamGroup], async_op: bool) -> None:
-    """One all-gather for ``members``: each one's plain shards at its offset in every row."""
+def _gather(members: list[ParamGroup], async_op: bool, kept: bool) -> None:
+    """One all-gather for ``members``: each one's plain shards at its offset in every row;
+    ``kept``: they stay gathered until backward, so the first to wait copies all out."""
     descs = [m.description for m in members]
     first = descs[0]
     world, total = first.world, sum(d.gather_total for d in descs)
@@ -371,9 +387,12 @@ def _gather(members: list[ParamGroup], async_op: bool) -> None:
                 lambda: comm.all_gather(output, mine, group, async_op),
             )
         )
+    shared = None
+    if kept and all(sent.plain for sent in inputs):
+        shared = SharedCopy(rows, members, [n for d in descs for n in d.gather_sizes])
     start = 0
     for m, d, sent in zip(members, descs, inputs, strict=True):
-        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent)
+        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent, shared)
         start += d.gather_total
 
 

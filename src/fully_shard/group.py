@@ -175,6 +175,8 @@ class _PendingGather:
     # Plain dense shards in the description's layout: _copy_out may take (or establish) the
     # group's _DenseGather.
     plain: bool = False
+    # A kept bucket's one copy-out for all its groups (SharedCopy), or None: this group's own.
+    shared: SharedCopy | None = None
 
 
 @dataclass
@@ -247,6 +249,47 @@ class SharedReduce:
 
     work: Waitable | None
     finish: Callable[[], None]
+
+
+class SharedCopy:
+    """One copy-out for every group of a bucket whose parameters stay gathered after forward
+    (:mod:`fully_shard.bucket`): the first member to wait copies the bucket's ``(W, total)``
+    columns into every member's storage with one ``split_with_sizes_copy``, and the others
+    find theirs there. Their storages are then all allocated at the first member's forward,
+    as they would all be by the last member's (they stay gathered until backward), while the
+    gathered buffer is alive either way: nothing more is held, and one copy is issued instead
+    of one per group.
+
+    Only groups that replay their plain dense copy-out (:class:`_DenseGather`) under their
+    current description and still wait for this gather take part; if any member cannot (its
+    options changed between the gather and the wait), each copies its own.
+    """
+
+    def __init__(self, rows: torch.Tensor, members: list[ParamGroup], sizes: list[int]) -> None:
+        self._rows: torch.Tensor | None = rows  # (W, bucket total) in the wire dtype
+        self._members = members  # in column order
+        self._sizes = sizes  # every member's parameters' columns, in order
+        self._filled: tuple[ParamGroup, ...] = ()
+
+    def fill(self, caller: ParamGroup) -> bool:
+        """Copy every member's columns out (once); whether ``caller``'s storage holds its own."""
+        rows, self._rows = self._rows, None
+        if rows is not None:
+            dests: list[torch.Tensor] = []
+            for group in self._members:
+                dense = group._dense
+                pending = group._gather
+                waiting = group is caller or (pending is not None and pending.shared is self)
+                if dense is None or group._dense_for is not group._description or not waiting:
+                    return False  # each member copies its own (its pending keeps its columns)
+                dests.extend(dense.destinations)
+            for group in self._members:
+                for untyped, nbytes in group._dense.storages:  # type: ignore[union-attr]
+                    if untyped.nbytes() != nbytes:
+                        untyped.resize_(nbytes)
+            copy_out(rows, rows.size(0), self._sizes, dests)
+            self._filled = tuple(self._members)
+        return caller in self._filled
 
 
 class Bucketing(Protocol):
@@ -664,6 +707,8 @@ class ParamGroup:
     def _copy_out(self, pending: _PendingGather) -> None:
         dense = self._dense
         if pending.plain and dense is not None and self._dense_for is self._description:
+            if pending.shared is not None and pending.shared.fill(self):
+                return  # the bucket's one copy-out filled this group's storage too
             for untyped, nbytes in dense.storages:  # DenseStorage.alloc's resize
                 if untyped.nbytes() != nbytes:
                     untyped.resize_(nbytes)
@@ -1043,14 +1088,19 @@ class ParamGroup:
         return _SharedInputs(flat, None, per_param, plain)
 
     def adopt_gather(
-        self, work: Waitable | None, columns: torch.Tensor, inputs: _SharedInputs
+        self,
+        work: Waitable | None,
+        columns: torch.Tensor,
+        inputs: _SharedInputs,
+        shared: SharedCopy | None = None,
     ) -> None:
         """The bucket's all-gather is out: ``columns`` ``(W, gather_total)`` is this group's
         part of its ``(W, bucket total)`` buffer; :meth:`wait_for_unshard` waits for ``work``
-        (shared by the bucket's groups, so waited once) and copies them out."""
+        (shared by the bucket's groups, so waited once) and copies them out, or finds them
+        copied by ``shared``, the bucket's one copy-out."""
         desc = self.description
         self._gather = _PendingGather(
-            work, columns, desc.world, inputs.per_param, desc.gather_sizes, inputs.plain
+            work, columns, desc.world, inputs.per_param, desc.gather_sizes, inputs.plain, shared
         )
 
     def adopt_reduce(self, shared: SharedReduce) -> None:
@@ -1062,16 +1112,6 @@ class ParamGroup:
         """``shared`` is being finished by another member: nothing is left pending here."""
         if self._pending_reduce is shared:
             self._pending_reduce = None
-
-    def accumulate_reduced(
-        self, params: list[ShardedParam], output: torch.Tensor, starts: list[int]
-    ) -> None:
-        """Add each of ``params``' reduced rows (at ``starts`` in ``output``) into its grad."""
-        base = int(output.storage_offset())  # eager: a plain int
-        self._accumulate(
-            (p, p.local_grad_from(output, base + off))
-            for p, off in zip(params, starts, strict=True)
-        )
 
     def shares_reduction(self) -> bool:
         """Whether a bucket may reduce this group's gradients now: no HSDP partial sum is kept
