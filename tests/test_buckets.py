@@ -24,11 +24,13 @@ What they must do, checked here on a ``Transformer`` (root + one group per block
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
 from collections import Counter
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -240,9 +242,29 @@ def _twin_steps(case: str) -> dict[str, Any]:
     data (an exception raised and recovered from in step 1 for the "raise-*" cases)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kept = {"reshard_after_forward": False}
-    options: dict[str, Any] = {"mp": {"mp_policy": mp}, "kept": kept}.get(case, {})
+    by_case: dict[str, dict[str, Any]] = {"mp": {"mp_policy": mp}, "kept": kept, "kept-own": kept}
+    options = by_case.get(case, {})
     other = {"other-options": {"mp_policy": mp}}.get(case)
-    copies = _count_copy_outs()
+    copies: list[int] = []
+    real_copy_out = fs_group.copy_out
+
+    def counted_copy_out(*args: Any) -> None:  # every copy-out of gathered parameters
+        copies.append(1)
+        real_copy_out(*args)
+
+    with contextlib.ExitStack() as patches:  # this rank's process only, for this job only
+        patches.enter_context(mock.patch.object(fs_group, "copy_out", counted_copy_out))
+        if case == "kept-own":  # the shared copy-out declines: each group copies its own
+            patches.enter_context(
+                mock.patch.object(fs_group.SharedCopy, "fill", lambda self, caller: False)
+            )
+        return _twin_train(case, options, other, copies)
+
+
+def _twin_train(
+    case: str, options: dict[str, Any], other: dict[str, Any] | None, copies: list[int]
+) -> dict[str, Any]:
+    """:func:`_twin_steps`' training; ``copies`` grows by one per copy-out."""
     models, comms = [], []
     for cap in (None, ALL):
         torch.manual_seed(0)
@@ -272,20 +294,6 @@ def _twin_steps(case: str) -> dict[str, Any]:
     same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
     sizes = models[1]._fsdp_state.root.buckets.sizes()
     return {"same": same, "counts": counts, "sizes": sizes, "copies": forward_copies}
-
-
-def _count_copy_outs() -> list[int]:
-    """Record every copy-out of gathered parameters in this rank (the list grows by one per
-    ``packing.copy_out`` call made by a group or by a bucket's shared copy-out)."""
-    calls: list[int] = []
-    real = fs_group.copy_out
-
-    def counting(*args: Any) -> None:
-        calls.append(1)
-        real(*args)
-
-    fs_group.copy_out = counting  # type: ignore[assignment]  # this rank's process only
-    return calls
 
 
 class _RaiseInBackward(torch.autograd.Function):
@@ -318,15 +326,17 @@ def _raise_and_recover(model: nn.Module, tokens: Tensor, targets: Tensor, case: 
         p.grad = None
 
 
-@pytest.mark.parametrize("case", ["mp", "other-options", "raise-forward", "raise-backward", "kept"])
+@pytest.mark.parametrize(
+    "case", ["mp", "other-options", "raise-forward", "raise-backward", "kept", "kept-own"]
+)
 def test_buckets_change_no_number(case: str) -> None:
     for seen in run_distributed(_twin_steps, 2, case):
         assert seen["same"], case
-        if case == "kept":
+        if case.startswith("kept"):
             # forward's copy-outs in the last step, unbucketed and bucketed: one per group,
             # or one for the bucket's 5 groups that keep their parameters (SharedCopy)
             assert seen["sizes"]["forward"] == [5]
-            assert seen["copies"] == [5, 1]
+            assert seen["copies"] == [5, 5 if case == "kept-own" else 1]
             assert seen["counts"][1] == {"all_gather": 1, "reduce_scatter": 1}
         if case == "other-options":
             # block 1 gathers in bf16: it closes the fp32 buckets on both sides; its reduce

@@ -387,12 +387,15 @@ def _gather(members: list[ParamGroup], async_op: bool, kept: bool) -> None:
                 lambda: comm.all_gather(output, mine, group, async_op),
             )
         )
-    shared = None
     if kept and all(sent.plain for sent in inputs):
-        shared = SharedCopy(rows, members, [n for d in descs for n in d.gather_sizes])
+        sizes = [n for d in descs for n in d.gather_sizes]
+        shared = SharedCopy(rows, members, sizes, [d.gather_total for d in descs])
+        for m, sent in zip(members, inputs, strict=True):
+            m.adopt_gather(work, None, sent, shared)
+        return
     start = 0
     for m, d, sent in zip(members, descs, inputs, strict=True):
-        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent, shared)
+        m.adopt_gather(work, rows.narrow(1, start, d.gather_total), sent)
         start += d.gather_total
 
 

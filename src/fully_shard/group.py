@@ -23,7 +23,7 @@ import contextlib
 import enum
 import operator
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -265,31 +265,42 @@ class SharedCopy:
     options changed between the gather and the wait), each copies its own.
     """
 
-    def __init__(self, rows: torch.Tensor, members: list[ParamGroup], sizes: list[int]) -> None:
-        self._rows: torch.Tensor | None = rows  # (W, bucket total) in the wire dtype
+    def __init__(
+        self, rows: torch.Tensor, members: list[ParamGroup], sizes: list[int], totals: list[int]
+    ) -> None:
+        self._rows = rows  # (W, bucket total) in the wire dtype
         self._members = members  # in column order
         self._sizes = sizes  # every member's parameters' columns, in order
+        self._totals = totals  # each member's columns
+        self._tried = False
         self._filled: tuple[ParamGroup, ...] = ()
 
     def fill(self, caller: ParamGroup) -> bool:
         """Copy every member's columns out (once); whether ``caller``'s storage holds its own."""
-        rows, self._rows = self._rows, None
-        if rows is not None:
+        if not self._tried:
+            self._tried = True
             dests: list[torch.Tensor] = []
             for group in self._members:
                 dense = group._dense
                 pending = group._gather
                 waiting = group is caller or (pending is not None and pending.shared is self)
                 if dense is None or group._dense_for is not group._description or not waiting:
-                    return False  # each member copies its own (its pending keeps its columns)
+                    return False  # each member copies its own columns (columns())
                 dests.extend(dense.destinations)
             for group in self._members:
                 for untyped, nbytes in group._dense.storages:  # type: ignore[union-attr]
                     if untyped.nbytes() != nbytes:
                         untyped.resize_(nbytes)
+            rows = self._rows
             copy_out(rows, rows.size(0), self._sizes, dests)
             self._filled = tuple(self._members)
         return caller in self._filled
+
+    def columns(self, group: ParamGroup) -> torch.Tensor:
+        """``group``'s ``(W, gather_total)`` columns of the bucket's buffer, for its own
+        copy-out when :meth:`fill` did not fill it."""
+        i = self._members.index(group)
+        return self._rows.narrow(1, sum(self._totals[:i]), self._totals[i])
 
 
 class Bucketing(Protocol):
@@ -705,10 +716,13 @@ class ParamGroup:
             self.end("unshard")
 
     def _copy_out(self, pending: _PendingGather) -> None:
+        shared = pending.shared
+        if shared is not None:
+            if shared.fill(self):
+                return  # the bucket's one copy-out filled this group's storage too
+            pending = replace(pending, output=shared.columns(self), shared=None)
         dense = self._dense
         if pending.plain and dense is not None and self._dense_for is self._description:
-            if pending.shared is not None and pending.shared.fill(self):
-                return  # the bucket's one copy-out filled this group's storage too
             for untyped, nbytes in dense.storages:  # DenseStorage.alloc's resize
                 if untyped.nbytes() != nbytes:
                     untyped.resize_(nbytes)
@@ -1090,14 +1104,15 @@ class ParamGroup:
     def adopt_gather(
         self,
         work: Waitable | None,
-        columns: torch.Tensor,
+        columns: torch.Tensor | None,
         inputs: _SharedInputs,
         shared: SharedCopy | None = None,
     ) -> None:
         """The bucket's all-gather is out: ``columns`` ``(W, gather_total)`` is this group's
         part of its ``(W, bucket total)`` buffer; :meth:`wait_for_unshard` waits for ``work``
         (shared by the bucket's groups, so waited once) and copies them out, or finds them
-        copied by ``shared``, the bucket's one copy-out."""
+        copied by ``shared``, the bucket's one copy-out (``columns`` None: ``shared`` has them).
+        """
         desc = self.description
         self._gather = _PendingGather(
             work, columns, desc.world, inputs.per_param, desc.gather_sizes, inputs.plain, shared
