@@ -230,7 +230,7 @@ def full_values(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
     checks cost as many collectives as the training they check. Every rank must pass tensors
     of the same kinds in the same order (as for ``full_tensor()``, a collective each).
     """
-    out: list[Tensor | None] = [None if t is None else t for t in tensors]
+    out: list[Tensor | None] = list(tensors)
     batches: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
         if _row_sharded(t):

@@ -51,7 +51,7 @@ import torch
 from ._compat import profiler_enabled, set_grad_enabled
 from .collectives import Waitable, comm_key, divide_
 from .description import GroupDescription, offsets
-from .group import GroupState, ParamGroup, SharedCopy, SharedReduce
+from .group import GroupState, ParamGroup, SharedCopy, SharedReduce, accumulate_grads
 from .observer import JOB_WIDE, CollectiveCall, issue_observed
 from .packing import ProcessGroupAllocator, allocate_buffer, copy_in, pack_grads
 from .param import ShardedParam
@@ -227,17 +227,12 @@ class _BucketReduce:
                 lambda: comm.all_reduce(output, rg, plan.all_reduce, async_op=False),
             )
         divide_(output, plan.post_divide)
-        # Each member's rows into its sharded gradients, all in one loop: in place on each
-        # DTensor's local tensor, so with autograd off (as ParamGroup._accumulate).
         base = int(output.storage_offset())  # eager: a plain int
-        grad_was = torch.is_grad_enabled()
-        set_grad_enabled(False)
-        try:
-            for _, params, starts in self.members:
-                for p, off in zip(params, starts, strict=True):
-                    p.accumulate_sharded_grad(p.local_grad_from(output, base + off))
-        finally:
-            set_grad_enabled(grad_was)
+        accumulate_grads(  # every member's rows, in one pass
+            (p, p.local_grad_from(output, base + off))
+            for _, params, starts in self.members
+            for p, off in zip(params, starts, strict=True)
+        )
 
 
 class Buckets:

@@ -251,6 +251,19 @@ class SharedReduce:
     finish: Callable[[], None]
 
 
+def accumulate_grads(grads: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
+    """Add each reduced gradient into its parameter's sharded ``.grad``, with autograd off (in
+    place on the DTensor's own local tensor): a group's reduction, or a bucket's for all its
+    groups."""
+    grad_was = torch.is_grad_enabled()
+    set_grad_enabled(False)
+    try:
+        for p, local_grad in grads:
+            p.accumulate_sharded_grad(local_grad)
+    finally:
+        set_grad_enabled(grad_was)
+
+
 class SharedCopy:
     """One copy-out for every group of a bucket whose parameters stay gathered after forward
     (:mod:`fully_shard.bucket`): the first member to wait copies the bucket's ``(W, total)``
@@ -273,10 +286,11 @@ class SharedCopy:
         self._sizes = sizes  # every member's parameters' columns, in order
         self._totals = totals  # each member's columns
         self._tried = False
-        self._filled: tuple[ParamGroup, ...] = ()
+        self._filled = False  # every member's columns copied out (all or none)
 
     def fill(self, caller: ParamGroup) -> bool:
-        """Copy every member's columns out (once); whether ``caller``'s storage holds its own."""
+        """Copy every member's columns out (once); whether they were (``caller``, a member,
+        has just cleared its pending gather: it counts as waiting)."""
         if not self._tried:
             self._tried = True
             dests: list[torch.Tensor] = []
@@ -293,8 +307,8 @@ class SharedCopy:
                         untyped.resize_(nbytes)
             rows = self._rows
             copy_out(rows, rows.size(0), self._sizes, dests)
-            self._filled = tuple(self._members)
-        return caller in self._filled
+            self._filled = True
+        return self._filled
 
     def columns(self, group: ParamGroup) -> torch.Tensor:
         """``group``'s ``(W, gather_total)`` columns of the bucket's buffer, for its own
@@ -1022,7 +1036,7 @@ class ParamGroup:
             pending.finish()
             return
         if isinstance(pending, _DirectReduce):
-            self._accumulate(zip(pending.params, pending.grads, strict=True))
+            accumulate_grads(zip(pending.params, pending.grads, strict=True))
             return
         if pending.work is not None:
             pending.work.wait()
@@ -1057,22 +1071,11 @@ class ParamGroup:
         if plan.post_divide is not None:
             divide_(output, plan.post_divide)
         grad_was = torch.is_grad_enabled()
-        set_grad_enabled(False)  # as _accumulate, without its generator's calls
+        set_grad_enabled(False)  # as accumulate_grads, without its generator's calls
         try:
             base = int(output.storage_offset())  # eager: a plain int
             for p, off in zip(pending.params, pending.offsets, strict=True):
                 p.accumulate_sharded_grad(p.local_grad_from(output, base + off))
-        finally:
-            set_grad_enabled(grad_was)
-
-    def _accumulate(self, grads: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """Add each reduced gradient into its sharded ``.grad``, with autograd off (in place on
-        the DTensor's own local tensor)."""
-        grad_was = torch.is_grad_enabled()
-        set_grad_enabled(False)
-        try:
-            for p, local_grad in grads:
-                p.accumulate_sharded_grad(local_grad)
         finally:
             set_grad_enabled(grad_was)
 
